@@ -1,0 +1,108 @@
+"""`blockspec` command line. Subcommands register themselves in COMMANDS; user errors print one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable
+
+from blockspec.errors import BlockspecError
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise BlockspecError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    return ids
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockspec.generate import generate_stream, stop_set
+    from blockspec.loading.loader import load_model
+    from blockspec.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
+    )
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    tok = lm.tokenizer
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise BlockspecError("--chat needs --prompt text, not --prompt-ids")
+        prompt_ids = _parse_ids(args.prompt_ids)
+    else:
+        if tok is None:
+            raise BlockspecError(f"{lm.source.name} has no tokenizer: pass --prompt-ids instead of --prompt")
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    t0 = time.perf_counter()
+    tokens: list[int] = []
+    printed = ""
+    for t in generate_stream(lm, prompt_ids, params):
+        tokens.append(t)
+        if not args.json and tok is not None:  # stream the decoded text as it grows
+            text = tok.decode(tokens)
+            if text.startswith(printed) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    elapsed = time.perf_counter() - t0
+    reason = "stop" if tokens and tokens[-1] in stop_set(lm, params) else "length"
+    result = {
+        "text": tok.decode(tokens) if tok is not None else None,
+        "token_ids": tokens,
+        "num_prompt_tokens": len(prompt_ids),
+        "num_generated_tokens": len(tokens),
+        "finish_reason": reason,
+        "time_s": round(elapsed, 4),
+        "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        if tok is None:
+            print(" ".join(map(str, tokens)), end="")
+        print(f"\n[{len(tokens)} tokens, {result['tokens_per_second']} tok/s, finish: {reason}]", file=sys.stderr)
+    return 0
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "generate": ("generate text from a prompt", add_generate_args, cmd_generate),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command][2](args)
+    except BlockspecError as e:
+        print(f"blockspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

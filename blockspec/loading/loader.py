@@ -1,0 +1,81 @@
+"""Build a target model from a resolved source: config -> module on the device -> weights -> tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.errors import BlockspecError
+from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.loading.source import ModelSource, resolve_source
+from blockspec.loading.tokenizer import Tokenizer
+from blockspec.loading.weights import load_weights
+from blockspec.models.config import ModelConfig, parse_dtype
+from blockspec.models.registry import build_model
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    stop_token_ids: list[int]  # from generation_config, config and tokenizer
+    source: ModelSource
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BlockspecError(f"unknown device {device!r}; expected 'cpu' or 'cuda' (optionally 'cuda:N')") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise BlockspecError(f"unsupported device {device!r}; expected 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BlockspecError(f"device {device!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        # fp32 on CPU: exact and fast enough for small models; bf16 on GPU.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return parse_dtype(dtype)
+
+
+def _stop_ids(cfg: ModelConfig, gen: dict, tok: Tokenizer | None) -> list[int]:
+    ids: list[int] = []
+    g = gen.get("eos_token_id")
+    for group in (g if isinstance(g, list) else [g] if g is not None else [], cfg.eos_token_ids):
+        ids.extend(int(i) for i in group)
+    if tok is not None and tok.eos_token_id is not None:
+        ids.append(int(tok.eos_token_id))
+    return sorted(set(ids))
+
+
+def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Allocate uninitialized weights directly on the device (random init of an 8B model would take minutes)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    for m in model.modules():  # non-persistent buffers do not survive to_empty: recompute them
+        if isinstance(m, RotaryEmbedding):
+            m.inv_freq = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).inv_freq.to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True) -> LoadedModel:
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    source = resolve_source(src)
+    cfg = ModelConfig.from_hf(source.config, source=f"{source.path}")
+    model = instantiate(cfg, dev, dt)
+    load_weights(model, source.tensors(), str(source.path))
+    model.eval()
+    tok = source.load_tokenizer() if with_tokenizer else None
+    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source)

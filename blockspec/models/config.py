@@ -1,0 +1,101 @@
+"""ModelConfig: the HF config.json fields our decoder needs, read in transformers-4 and -5 styles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from blockspec.errors import ModelLoadError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    if name is None:
+        return default
+    name = str(name).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either `rope_theta`+`rope_scaling` (transformers 4)
+    or `rope_parameters` (transformers 5, which also holds rope_theta)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = dict(params)
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg["rope_scaling"]) if isinstance(cfg.get("rope_scaling"), dict) else None
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling["rope_type"] = kind
+        if kind == "default":
+            scaling = None
+    return theta, scaling
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (Qwen2 always, Llama when configured)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    dtype: torch.dtype
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ModelLoadError(f"{source}: field 'architectures' is missing or empty")
+        arch = archs[0]
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ModelLoadError(f"{source}: required field {key!r} is missing")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        theta, scaling = rope_params(cfg)
+        eos = cfg.get("eos_token_id")
+        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype"), torch.float32),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )

@@ -1,0 +1,127 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2, Qwen3) written for inference.
+
+q/k/v and gate/up are packed into one matmul each at load time. The forward runs over a flat [T] token layout with
+explicit positions, so single-request, batched and speculative callers share it; attention is delegated to the
+AttentionFn the caller passes (dense cache, paged reference, Triton)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
+from blockspec.models.base import AttentionFn, ForwardOutput
+from blockspec.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2ForCausalLM (attention_bias) and Qwen3ForCausalLM (qk_norm): the config flags differ."""
+
+    # HF checkpoint names that we pack: hf suffix -> (our param suffix, shard index)
+    packed = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def shard_sizes(self, param: str) -> list[int]:
+        """Row sizes of the shards packed into a fused parameter (for the loader)."""
+        c = self.config
+        if "qkv_proj" in param:
+            kv = c.num_key_value_heads * c.head_dim
+            return [c.num_attention_heads * c.head_dim, kv, kv]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionFn,
+        tap_layers: Sequence[int] = (),
+        logit_rows: torch.Tensor | None = None,  # [R] row indices into T; None -> all rows
+        input_embeds: torch.Tensor | None = None,  # [T, hidden] overrides the embedding lookup
+    ) -> ForwardOutput:
+        h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        wanted = {l: i for i, l in enumerate(tap_layers)}
+        taps: list[torch.Tensor | None] = [None] * len(tap_layers)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attn)
+            if i in wanted:
+                taps[wanted[i]] = h
+        hidden = self.norm(h)
+        rows = hidden if logit_rows is None else hidden[logit_rows]
+        return ForwardOutput(
+            logits=self.compute_logits(rows),
+            taps=torch.cat(taps, dim=-1) if taps else None,  # type: ignore[arg-type]
+            hidden=hidden,
+        )
