@@ -84,8 +84,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--device", default="cpu")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from blockspec.demo import run_demo
+
+    return run_demo(args.model, args.max_tokens, args.device)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "generate": ("generate text from a prompt", add_generate_args, cmd_generate),
+    "demo": ("run the bundled model on a few prompts (offline, CPU)", add_demo_args, cmd_demo),
 }
 
 

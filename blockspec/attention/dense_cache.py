@@ -43,3 +43,21 @@ class DenseCausalAttention:
         self.cache.k[layer, self.positions] = k
         self.cache.v[layer, self.positions] = v
         return attend(q, self.cache.k[layer, : self.kv_len], self.cache.v[layer, : self.kv_len], self.mask, scale)
+
+
+class DenseDraftAttention:
+    """Draft block attention: block queries over the cached context (positions < ctx_len) and the block itself."""
+
+    def __init__(self, ctx_cache: DenseKVCache, ctx_len: int, block_positions: torch.Tensor) -> None:
+        self.ctx_cache = ctx_cache
+        self.ctx_len = ctx_len
+        self.q_pos = block_positions  # [T]
+        self.k_pos = torch.cat([torch.arange(ctx_len, device=block_positions.device), block_positions])
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+        window: int | None,
+    ) -> torch.Tensor:
+        keys = torch.cat([self.ctx_cache.k[layer, : self.ctx_len], k])
+        values = torch.cat([self.ctx_cache.v[layer, : self.ctx_len], v])
+        return attend(q, keys, values, build_mask(self.q_pos, self.k_pos, causal, window), scale)

@@ -73,7 +73,8 @@ def load_model(src: str | None, device: str | None = None, dtype: str | None = N
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = resolve_source(src)
-    cfg = ModelConfig.from_hf(source.config, source=f"{source.path}")
+    cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
+    cfg = ModelConfig.from_hf(source.config, source=str(cfg_name))
     model = instantiate(cfg, dev, dt)
     load_weights(model, source.tensors(), str(source.path))
     model.eval()

@@ -56,5 +56,15 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
         loaded.discard("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
-        shown = ", ".join(m.replace("#", " shard ") for m in missing[:8])
+        unpacked = {v: k for k, v in packed.items()}  # (fused name, shard index) -> HF projection name
+
+        def hf_name_of(m: str) -> str:  # "layers.0.self_attn.qkv_proj.weight#1" -> "layers.0.self_attn.k_proj.weight"
+            if "#" not in m:
+                return m
+            name, idx = m.split("#")
+            head, fused, tail = name.rsplit(".", 2)
+            hf_part = unpacked.get((fused, int(idx)))
+            return f"{head}.{hf_part}.{tail}" if hf_part else f"{name} shard {idx}"
+
+        shown = ", ".join(hf_name_of(m) for m in missing[:8])
         raise ModelLoadError(f"{source}: missing {len(missing)} tensor(s) the model needs: {shown}")

@@ -1,0 +1,81 @@
+"""SpeculativeConfig (DFlash): the fields users of other engines know, validated when built and against the target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockspec.errors import ConfigError
+from blockspec.models.config import ModelConfig
+from blockspec.models.dflash_config import DFlashConfig
+
+
+@dataclass
+class SpeculativeConfig:
+    draft_model: str  # HF directory or hub id of a DFlash draft checkpoint
+    method: str = "dflash"
+    num_draft_tokens: int | None = None  # K; None -> block_size - 1
+    mask_token_id: int | None = None  # None -> the draft's dflash_config, then top level
+    target_layer_ids: list[int] | None = None  # None -> the draft's dflash_config, then top level
+    probabilistic_drafting: bool = False  # sample drafts from q and use p/q rejection (default: argmax, one-hot q)
+
+    def __post_init__(self) -> None:
+        if self.method != "dflash":
+            raise ConfigError(f"speculative method={self.method!r} is not supported (supported: 'dflash')")
+        if not self.draft_model:
+            raise ConfigError("speculative draft_model is required (a DFlash draft checkpoint directory or hub id)")
+        if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1):
+            raise ConfigError(f"num_draft_tokens={self.num_draft_tokens!r} must be an integer >= 1")
+        if self.target_layer_ids is not None and (
+            not self.target_layer_ids or any(not isinstance(i, int) or i < 0 for i in self.target_layer_ids)
+        ):
+            raise ConfigError(f"target_layer_ids={self.target_layer_ids!r} must be a non-empty list of layer ids >= 0")
+
+
+@dataclass
+class ResolvedSpec:
+    """The speculative settings after merging user overrides with the draft checkpoint and checking the target."""
+
+    num_draft_tokens: int  # K
+    mask_token_id: int
+    target_layer_ids: list[int]
+    block_size: int
+    probabilistic_drafting: bool
+
+
+def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConfig, source: str) -> ResolvedSpec:
+    ids = spec.target_layer_ids if spec.target_layer_ids is not None else draft.target_layer_ids
+    if ids is None:
+        raise ConfigError(
+            f"{source}: target_layer_ids is not set (no 'dflash_config.target_layer_ids' or top-level "
+            f"'target_layer_ids' in the draft config, and no override); pass target_layer_ids explicitly"
+        )
+    mask = spec.mask_token_id if spec.mask_token_id is not None else draft.mask_token_id
+    if mask is None:
+        raise ConfigError(
+            f"{source}: mask_token_id is not set (no 'dflash_config.mask_token_id' or top-level 'mask_token_id' "
+            f"in the draft config, and no override); pass mask_token_id explicitly"
+        )
+    if draft.hidden_size != target.hidden_size:
+        raise ConfigError(
+            f"{source}: draft hidden_size={draft.hidden_size} does not match the target's hidden_size="
+            f"{target.hidden_size}; a DFlash draft must be trained for this target"
+        )
+    bad = [i for i in ids if i >= target.num_hidden_layers]
+    if bad:
+        raise ConfigError(
+            f"{source}: target_layer_ids={ids} contains {bad[0]}, but the target has only "
+            f"{target.num_hidden_layers} layers (ids are 0-based)"
+        )
+    if not 0 <= mask < target.vocab_size:
+        raise ConfigError(f"{source}: mask_token_id={mask} is outside the target vocabulary [0, {target.vocab_size})")
+    if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"{source}: draft vocab_size={draft.vocab_size} does not match the target's vocab_size={target.vocab_size}"
+        )
+    k = spec.num_draft_tokens if spec.num_draft_tokens is not None else draft.block_size - 1
+    if not 1 <= k <= draft.block_size - 1:
+        raise ConfigError(
+            f"num_draft_tokens={k} is out of range for this draft: block_size={draft.block_size} allows 1.."
+            f"{draft.block_size - 1}"
+        )
+    return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting)

@@ -1,0 +1,110 @@
+"""The DFlash block-diffusion draft model (z-lab checkpoint format, loaded as-is).
+
+A Qwen3-style stack whose attention takes Q from the block only and K/V from [context ; block]. Context features
+(the target's tapped residual streams) go through fc -> hidden_norm once, then each layer's own k_proj/v_proj; those
+context K/V depend only on committed tokens, so they are computed once per token and cached. Block K/V live for one
+pass. The draft has no embedding or lm_head: the target's are passed in."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
+from blockspec.models.dflash_config import DFlashConfig
+from blockspec.models.llama import MLP
+
+
+class DraftAttentionFn(Protocol):
+    """Attention of block queries over the cached context of this draft layer plus the block's own k/v."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+        window: int | None,
+    ) -> torch.Tensor: ...
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.causal = cfg.layer_causal[layer_idx]
+        self.window = cfg.layer_window[layer_idx]
+        self.scale = self.head_dim**-0.5
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> k, v [N, Hkv, D] (k normed and rotated; v untouched)."""
+        N = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, self.head_dim))
+        return apply_rotary(k, cos, sin), self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
+        T = x.shape[0]
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        out = attn(self.layer_idx, q, k, v, self.scale, self.causal, self.window)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)  # type: ignore[arg-type]  (needs hidden_size / intermediate_size only)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: DFlashConfig, num_taps: int) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(num_taps * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def shard_sizes(self, param: str) -> list[int]:
+        return [self.config.intermediate_size, self.config.intermediate_size]
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """taps [N, num_taps*H] of committed tokens at `positions` [N] -> per draft layer (k, v) [N, Hkv, D]."""
+        ctx = self.hidden_norm(self.fc(taps))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
+        """embeds [T, H] (raw target embeddings of the block; scaled here), positions [T] -> final-normed [T, H]."""
+        h = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = lm_head(hidden).float()
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

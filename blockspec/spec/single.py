@@ -1,0 +1,125 @@
+"""Single-request DFlash speculative decoding over dense caches (DFLASH.md section 3), the reference spec loop.
+
+Per step: draft a block [bonus, MASK x K] in one draft pass, verify [bonus, d_1..d_K] in one target pass with taps,
+accept, append the committed rows' taps to the draft context cache, and the correction becomes the next bonus."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from blockspec.attention.dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
+from blockspec.generate import GenerationResult, check_prompt, stop_set
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.loader import LoadedModel
+from blockspec.sampling import SamplingParams, processed_probs, sample, sample_from
+from blockspec.spec.stats import SpecStats
+from blockspec.spec.verify import accept_probabilistic, accept_tokens
+
+
+class DFlashSession:
+    """One request's speculative decoding state: target KV, draft context KV, the pending bonus."""
+
+    def __init__(self, lm: LoadedModel, draft: LoadedDraft, prompt_ids: list[int], params: SamplingParams) -> None:
+        cfg = lm.config
+        check_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
+        self.lm, self.draft, self.params = lm, draft, params
+        self.K = draft.spec.num_draft_tokens
+        param = next(lm.model.parameters())
+        self.device = param.device
+        self.max_new = min(params.max_tokens, cfg.max_position_embeddings - len(prompt_ids))
+        # Room for the verify window / draft block reaching K positions past the last committed token.
+        cap = len(prompt_ids) + self.max_new + self.K + 1
+        self.kv = DenseKVCache.allocate(cfg.num_hidden_layers, cap, cfg.num_key_value_heads, cfg.head_dim, param.dtype, self.device)
+        d = draft.config
+        self.ctx = DenseKVCache.allocate(d.num_hidden_layers, cap, d.num_key_value_heads, d.head_dim, param.dtype, self.device)
+        self.gen = params.make_generator(self.device)
+        self.stats = SpecStats(self.K)
+        self.steps: list[dict] = []
+        self.prompt_ids = prompt_ids
+        self.taps = draft.spec.target_layer_ids
+
+    def _append_context(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        for layer, (k, v) in enumerate(self.draft.model.context_kv(taps, positions)):
+            self.ctx.k[layer, positions] = k
+            self.ctx.v[layer, positions] = v
+
+    def _propose(self, bonus: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft K tokens after `bonus` at position `start`: (drafts [K], q [K, V] when probabilistic)."""
+        spec = self.draft.spec
+        ids = torch.full((self.K + 1,), spec.mask_token_id, device=self.device)
+        ids[0] = bonus
+        positions = torch.arange(start, start + self.K + 1, device=self.device)
+        embeds = self.lm.model.embed_tokens(ids)
+        hidden = self.draft.model(embeds, positions, DenseDraftAttention(self.ctx, start, positions))
+        logits = self.draft.model.compute_logits(hidden[1:], self.lm.model.lm_head)
+        self.stats.num_draft_passes += 1
+        p = self.params
+        if spec.probabilistic_drafting and not p.greedy:
+            q = processed_probs(logits, p.temperature, p.top_k, p.top_p)
+            return sample_from(q, self.gen), q
+        return logits.argmax(dim=-1), None
+
+    def _verify(self, bonus: int, drafts: torch.Tensor, q: torch.Tensor | None, start: int):
+        ids = torch.cat([torch.tensor([bonus], device=self.device), drafts])
+        positions = torch.arange(start, start + self.K + 1, device=self.device)
+        out = self.lm.model(ids, positions, DenseCausalAttention(self.kv, positions, start + self.K + 1), tap_layers=self.taps)
+        p = self.params
+        if p.greedy:
+            tokens, n = accept_tokens(drafts[None], out.logits.argmax(-1)[None])
+        else:
+            probs = processed_probs(out.logits, p.temperature, p.top_k, p.top_p)
+            if q is None:
+                tokens, n = accept_tokens(drafts[None], sample_from(probs, self.gen)[None])
+            else:
+                u = torch.rand(self.K, generator=self.gen, device=self.device)
+                noise = torch.empty(probs.shape[-1], device=self.device).exponential_(generator=self.gen)
+                tokens, n = accept_probabilistic(drafts[None], probs[None], q[None], u[None], noise[None])
+        return tokens[0], int(n[0]), out.taps
+
+    @torch.inference_mode()
+    def stream(self) -> Iterator[int]:
+        stops = stop_set(self.lm, self.params)
+        P = len(self.prompt_ids)
+        positions = torch.arange(P, device=self.device)
+        out = self.lm.model(torch.tensor(self.prompt_ids, device=self.device), positions,
+                            DenseCausalAttention(self.kv, positions, P), tap_layers=self.taps,
+                            logit_rows=torch.tensor([P - 1], device=self.device))
+        bonus = int(sample(out.logits, self.params, self.gen)[0])
+        self._append_context(out.taps, positions)
+        emitted = 1
+        yield bonus
+        if bonus in stops or emitted >= self.max_new:
+            return
+        start = P  # position of the bonus
+        while True:
+            drafts, q = self._propose(bonus, start)
+            tokens, n, taps = self._verify(bonus, drafts, q, start)
+            new = tokens[: n + 1].tolist()
+            cut = len(new)
+            for i, t in enumerate(new):
+                if t in stops or emitted + i + 1 >= self.max_new:
+                    cut = i + 1
+                    break
+            self.stats.record(n, cut)
+            self.steps.append({"position": start, "draft": drafts.tolist(), "num_accepted": n})
+            for t in new[:cut]:
+                yield t
+            emitted += cut
+            if cut < len(new) or new[-1] in stops or emitted >= self.max_new:
+                return
+            # The committed verify rows (bonus, d_1..d_n) become draft context; the correction is the next bonus.
+            self._append_context(taps[: n + 1], torch.arange(start, start + n + 1, device=self.device))
+            start += n + 1
+            bonus = new[-1]
+
+
+def spec_generate(lm: LoadedModel, draft: LoadedDraft, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+    t0 = time.perf_counter()
+    session = DFlashSession(lm, draft, prompt_ids, params)
+    tokens = list(session.stream())
+    reason = "stop" if tokens and tokens[-1] in stop_set(lm, params) else "length"
+    return GenerationResult(tokens, reason, len(prompt_ids), time.perf_counter() - t0,
+                            session.stats.acceptance_lengths, session.steps)
