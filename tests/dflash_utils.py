@@ -17,7 +17,8 @@ def make_zlab_draft(target_cfg, path: Path, *, layers: int = 2, block_size: int 
     cfg = Qwen3Config(
         vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=80,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512, rope_theta=10000.0, **{k: v for k, v in extra.items() if k in ("layer_types", "sliding_window")},
+        max_position_embeddings=512, rope_theta=10000.0, use_sliding_window="sliding_window" in extra,
+        **{k: v for k, v in extra.items() if k in ("layer_types", "sliding_window")},
     )
     cfg.num_target_layers = target_cfg.num_hidden_layers
     cfg.block_size = block_size

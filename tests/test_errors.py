@@ -371,23 +371,20 @@ def _subprocess(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_subprocess_corrupt_config(copy_ckpt):
-    d = copy_ckpt()
-    (d / "config.json").write_text("{not json")
-    p = _subprocess("--model", str(d), "--device", "cpu", "--prompt-ids", "1,2,3")
-    assert p.returncode == 2, p.stderr
-    assert "Traceback" not in p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("blockspec: error: "), p.stderr
-    assert str(d / "config.json") in lines[0]
-    assert p.stdout == ""
-
-
 def test_subprocess_missing_tensor(copy_ckpt):
     d = copy_ckpt()
     _drop_tensor(d, "model.norm.weight")
     p = _subprocess("--model", str(d), "--device", "cpu", "--prompt-ids", "1,2,3", "--top-p", "0.5", "--temperature", "0.7")
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
-    assert "norm.weight" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blockspec: error: "), p.stderr
+    assert "missing 1 tensor" in lines[0] and "norm.weight" in lines[0]
+    assert p.stdout == ""
+
+
+def test_subprocess_argparse_usage_error_is_not_a_traceback():
+    p = _subprocess("--prompt-ids", "1", "--max-tokens", "many")
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert "--max-tokens" in p.stderr

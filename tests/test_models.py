@@ -40,10 +40,10 @@ def test_logits_and_taps_match_transformers(tmp_path, arch, tied, rope):
     with torch.no_grad():
         ref = hf(ids[None], output_hidden_states=True)
     n = lm.config.num_hidden_layers
-    out = run_ours(lm, ids, taps=list(range(n - 1)))
+    out = run_ours(lm, ids, taps=list(range(n)))
     assert (out.logits - ref.logits[0]).abs().max().item() <= 1e-4
     H = lm.config.hidden_size
-    for i in range(n - 1):  # HF's last hidden_states entry is final-normed; taps are the raw residual stream
+    for i in range(n):  # including the last layer, whose HF entry is final-normed
         assert (out.taps[:, i * H:(i + 1) * H] - ref.hidden_states[i + 1][0]).abs().max().item() <= 1e-4
 
 

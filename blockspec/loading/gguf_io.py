@@ -146,9 +146,9 @@ def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]
     if kind not in ("linear", "yarn"):
         raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn)")
     out: dict[str, Any] = {"rope_type": kind, "factor": float(_get(meta, f"{arch}.rope.scaling.factor", path))}
-    if kind == "yarn":
-        out["original_max_position_embeddings"] = int(
-            _get(meta, f"{arch}.rope.scaling.original_context_length", path))
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind == "yarn" and orig is not None:  # absent: HF (and our rotary) fall back to max_position_embeddings
+        out["original_max_position_embeddings"] = int(orig)
     return out
 
 
@@ -175,7 +175,10 @@ class GGUFModel:
         for t in self._infos:
             row_bytes = t.shape[-1] // GGML_QUANT_SIZES[t.qtype][0] * GGML_QUANT_SIZES[t.qtype][1]
             blob = raw[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], row_bytes)
-            w = dequantize(blob, t.qtype)
+            try:
+                w = dequantize(blob, t.qtype)
+            except Exception as e:  # gguf raises ValueError/QuantError/NotImplementedError for bad data
+                raise ModelLoadError(f"{self.path}: cannot dequantize tensor {t.name!r} ({t.qtype.name}): {e}") from None
             if w.shape != t.shape:
                 raise ModelLoadError(f"{self.path}: tensor {t.name!r} dequantized to {w.shape}, expected {t.shape}")
             if t.unpermute_heads:
@@ -184,8 +187,10 @@ class GGUFModel:
                 # (2, head_dim/2) and transposes. Reverse that: view as (head_dim/2, 2) and transpose back.
                 n = t.unpermute_heads
                 w = w.reshape(n, t.shape[0] // n // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-            # F32 dequantizes to a view of the read-only map; other types already yield a fresh array.
-            yield t.hf_name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            if np.may_share_memory(w, raw):  # F32 "dequantizes" to a view of the read-only map
+                w = w.copy()
+            yield t.hf_name, torch.from_numpy(w)
         del raw
 
 
@@ -270,7 +275,7 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     try:
-        tok = PreTrainedTokenizerFast(gguf_file=path.name, name_or_path=str(path.parent), local_files_only=True)
+        tok = PreTrainedTokenizerFast(gguf_file=path.name, name_or_path=str(path.parent))
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot build the tokenizer from GGUF metadata "
                              f"({type(e).__name__}: {e})") from None

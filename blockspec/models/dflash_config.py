@@ -68,12 +68,10 @@ class DFlashConfig:
             if t not in ("full_attention", "sliding_attention"):
                 raise ModelLoadError(f"{source}: layer_types[{i}] = {t!r} is not 'full_attention' or 'sliding_attention'")
             sliding = t == "sliding_attention"
-            if sliding and not window:
-                raise ModelLoadError(f"{source}: layer_types[{i}] is sliding_attention but 'sliding_window' is not set")
-            # The authors' class: sliding layers are causal unless is_causal says otherwise; an explicit
-            # is_causal applies to every layer.
+            # As the authors' class does: sliding layers are causal unless is_causal says otherwise, an explicit
+            # is_causal applies to every layer, and a sliding layer without sliding_window has no window.
             causal.append(sliding if is_causal is None else bool(is_causal))
-            windows.append(int(window) if sliding else None)
+            windows.append(int(window) if sliding and window else None)
         ids = get("target_layer_ids")
         softcap = get("final_logit_softcapping")
         mask = get("mask_token_id")

@@ -119,6 +119,9 @@ class LlamaForCausalLM(nn.Module):
             if i in wanted:
                 taps[wanted[i]] = h
         hidden = self.norm(h)
+        last = len(self.layers) - 1
+        if last in wanted:  # HF's hidden_states[n] is the final-normed output; drafters are trained on that
+            taps[wanted[last]] = hidden
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return ForwardOutput(
             logits=self.compute_logits(rows),
