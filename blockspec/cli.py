@@ -33,17 +33,32 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    p.add_argument("--draft", default=None, help="DFlash draft checkpoint (directory or hub id): speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
+    p.add_argument("--probabilistic-drafting", action="store_true",
+                   help="sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)")
+    p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockspec.generate import generate_stream, stop_set
     from blockspec.loading.loader import load_model
     from blockspec.sampling import SamplingParams
+    from blockspec.textstream import TextStreamer
 
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    session = None
+    if args.draft is not None:
+        from blockspec.config import SpeculativeConfig
+        from blockspec.loading.draft_loader import load_draft
+
+        draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
+                                             probabilistic_drafting=args.probabilistic_drafting), lm)
+    elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace:
+        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting and --trace need --draft")
     tok = lm.tokenizer
     if args.prompt_ids is not None:
         if args.chat:
@@ -53,17 +68,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if tok is None:
             raise BlockspecError(f"{lm.source.name} has no tokenizer: pass --prompt-ids instead of --prompt")
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    if args.draft is not None:
+        from blockspec.spec.single import DFlashSession
+
+        session = DFlashSession(lm, draft, prompt_ids, params)
+        stream = session.stream()
+    else:
+        stream = generate_stream(lm, prompt_ids, params)
+    streamer = TextStreamer(tok) if tok is not None and not args.json else None
     t0 = time.perf_counter()
     tokens: list[int] = []
-    printed = ""
-    for t in generate_stream(lm, prompt_ids, params):
+    for t in stream:
         tokens.append(t)
-        if not args.json and tok is not None:  # stream the decoded text as it grows
-            text = tok.decode(tokens)
-            if text.startswith(printed) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
+        if streamer is not None:
+            sys.stdout.write(streamer.push(t))
+            sys.stdout.flush()
     elapsed = time.perf_counter() - t0
     reason = "stop" if tokens and tokens[-1] in stop_set(lm, params) else "length"
     result = {
@@ -75,12 +94,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "time_s": round(elapsed, 4),
         "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
     }
+    if session is not None:
+        result["acceptance_lengths"] = session.stats.acceptance_lengths
+        result["mean_acceptance_length"] = session.stats.mean_acceptance_length
+        if args.trace:
+            result["steps"] = session.steps
     if args.json:
         print(json.dumps(result))
     else:
         if tok is None:
             print(" ".join(map(str, tokens)), end="")
-        print(f"\n[{len(tokens)} tokens, {result['tokens_per_second']} tok/s, finish: {reason}]", file=sys.stderr)
+        tau = f", tau {result['mean_acceptance_length']:.2f}" if result.get("mean_acceptance_length") else ""
+        print(f"\n[{len(tokens)} tokens, {result['tokens_per_second']} tok/s{tau}, finish: {reason}]", file=sys.stderr)
+        if args.trace:
+            for step in session.steps if session is not None else []:
+                print(json.dumps(step), file=sys.stderr)
     return 0
 
 

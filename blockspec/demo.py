@@ -8,6 +8,7 @@ import time
 from blockspec.generate import generate_stream
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
+from blockspec.textstream import TextStreamer
 
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -26,15 +27,12 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
         print(f"\n>>> {prompt}\n", flush=True)
         ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         tokens: list[int] = []
-        printed = ""
+        streamer = TextStreamer(lm.tokenizer)
         start = time.perf_counter()
         for t in generate_stream(lm, ids, SamplingParams(max_tokens=max_tokens)):
             tokens.append(t)
-            text = lm.tokenizer.decode(tokens)
-            if text.startswith(printed) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
+            sys.stdout.write(streamer.push(t))
+            sys.stdout.flush()
         dt = time.perf_counter() - start
         total_tokens, total_time = total_tokens + len(tokens), total_time + dt
         print(f"\n[{len(tokens)} tokens in {dt:.2f}s, {len(tokens) / dt:.1f} tok/s]", flush=True)

@@ -1,0 +1,92 @@
+"""Greedy speculative decoding is lossless for any drafter (random ones included), and the CLI reports it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockspec.cli import main
+from blockspec.config import SpeculativeConfig
+from blockspec.generate import generate
+from blockspec.loading.draft_loader import load_draft
+from blockspec.loading.loader import load_model
+from blockspec.sampling import SamplingParams
+from blockspec.spec.single import spec_generate
+from dflash_utils import make_zlab_draft
+from hf_utils import make_hf_model, save_hf_model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(request.param, seed=11)
+    save_hf_model(hf, d / "t")
+    make_zlab_draft(hf.config, d / "d", block_size=16, target_layer_ids=[0, 1, 2], scale=2.0)
+    return load_model(str(d / "t"), device="cpu", with_tokenizer=False), d / "d"
+
+
+@pytest.mark.parametrize("K", [1, 3, 15])
+def test_greedy_spec_equals_plain(pair, K):
+    lm, draft_dir = pair
+    dr = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=K), lm)
+    for prompt_len, max_tokens in [(1, 25), (45, 30)] if K != 3 else [(7, 20)]:
+        prompt = [(13 * i + 5) % 128 for i in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        plain = generate(lm, prompt, params)
+        spec = spec_generate(lm, dr, prompt, params)
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "length"
+        assert sum(spec.acceptance_lengths) == len(spec.token_ids) - 1  # the first token comes from prefill
+        assert all(1 <= a <= K + 1 for a in spec.acceptance_lengths)
+        # with the model's own stop id (eos=2) honoured
+        params = SamplingParams(max_tokens=max_tokens)
+        assert spec_generate(lm, dr, prompt, params).token_ids == generate(lm, prompt, params).token_ids
+
+
+def test_cli_draft_json_and_trace(tmp_path, capsys):
+    hf = make_hf_model("qwen3", seed=12)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
+    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5", "--trace"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"]
+    assert sum(out["acceptance_lengths"]) == out["num_generated_tokens"] - 1
+    assert out["mean_acceptance_length"] == pytest.approx(sum(out["acceptance_lengths"]) / len(out["acceptance_lengths"]))
+    steps = out["steps"]
+    assert len(steps) == len(out["acceptance_lengths"]) and all(len(s["draft"]) == 5 for s in steps)
+    assert steps[0]["position"] == 3  # the bonus sampled from the prefill sits right after the 3 prompt tokens
+    for a, b, n in zip(steps, steps[1:], out["acceptance_lengths"]):
+        assert b["position"] == a["position"] + n
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("edit,flags,needle", [
+    ({"dflash_config": None}, [], "target_layer_ids"),
+    ({"dflash_config": {"target_layer_ids": [0, 1]}}, [], "mask_token_id"),
+    ({"dflash_config": {"target_layer_ids": [0, 7], "mask_token_id": 5}}, [], "target_layer_ids=[0, 7]"),
+    ({"dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 500}}, [], "mask_token_id=500"),
+    ({"hidden_size": 32}, [], "hidden_size=32"),
+    ({"vocab_size": 100}, [], "vocab_size=100"),
+    ({}, ["--num-draft-tokens", "8"], "num_draft_tokens=8"),
+    ({"architectures": ["Qwen3ForCausalLM"]}, [], "not a DFlash draft"),
+])
+def test_bad_draft_checkpoints(tmp_path, capsys, edit, flags, needle):
+    hf = make_hf_model("llama", seed=13)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 1])
+    _edit_config(tmp_path / "d", **edit)
+    rc = main(["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "1,2", "--draft", str(tmp_path / "d")] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err, err
