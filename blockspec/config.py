@@ -79,3 +79,36 @@ def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConf
             f"{draft.block_size - 1}"
         )
     return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32  # most requests running at once (--max-batch-size)
+    max_num_batched_tokens: int = 1024  # rows per target forward: prefill chunk tokens + verify rows
+    block_size: int = 16  # tokens per KV page (target and draft context share pages)
+    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length requests, capped by kv_cache_tokens
+    kv_cache_tokens: int = 131072  # cap on pool size when num_kv_blocks is None
+    max_model_len: int | None = None  # None: the target's max_position_embeddings
+    enable_prefix_caching: bool = True
+    draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ConfigError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
+        if self.draft_len_schedule is not None:
+            sched = {int(k): int(v) for k, v in self.draft_len_schedule.items()}
+            if not sched or min(sched) < 1 or min(sched.values()) < 0:
+                raise ConfigError(f"draft_len_schedule={self.draft_len_schedule!r}: keys (batch sizes) must be >= 1 "
+                                  f"and values (draft lengths) >= 0")
+            self.draft_len_schedule = sched
+
+    def draft_len(self, batch_size: int, default: int) -> int:
+        """K for a step running `batch_size` requests: the schedule entry of the largest key <= batch_size."""
+        if not self.draft_len_schedule:
+            return default
+        keys = [k for k in self.draft_len_schedule if k <= batch_size]
+        return min(default, self.draft_len_schedule[max(keys)]) if keys else default

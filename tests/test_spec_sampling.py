@@ -114,6 +114,14 @@ def chi_square_gof(counts: dict, probs: dict, min_expected: float = 5.0) -> tupl
     return stat, len(kept) - 1
 
 
+def rejected(counts: dict, probs: dict) -> bool:
+    """The goodness-of-fit test rejects: an impossible outcome was observed, or chi2 is above the critical value."""
+    if any(probs.get(c, 0.0) <= 0.0 for c in counts):
+        return True
+    stat, df = chi_square_gof(counts, probs)
+    return stat >= chi2_critical(df)
+
+
 def assert_fits(counts: dict, probs: dict, what: str) -> None:
     stat, df = chi_square_gof(counts, probs)
     crit = chi2_critical(df)
@@ -225,7 +233,7 @@ V = 8
 MASK = 6  # mask_token_id must be inside the (tiny) vocabulary
 PROMPT = [1, 3, 5]
 K = 3
-N_SAMPLES = 2500
+N_SAMPLES = 1500
 N_TOKENS = 3
 # all three processing steps active: the top_k/top_p truncations both bite in the enumerated contexts (checked below)
 SAMPLED = dict(temperature=0.9, top_k=6, top_p=0.9)
@@ -287,15 +295,17 @@ def exact_joint(lm, prompt: list[int], n: int, temperature: float, top_k: int, t
 
 
 def _truncation_margin(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[float, int]:
-    """(distance of the top_p cut from a flip, number of tokens kept): the enumerated support must not hinge on a
-    rounding difference between the enumeration's forward and the engine's verify forward."""
+    """(distance of the top_k / top_p cuts from a flip, number of tokens kept): the enumerated support must not hinge
+    on a rounding difference between the enumeration's forward and the engine's verify forward."""
     x = torch.sort(logits.float() / temperature, descending=True).values
+    gap = float("inf")
     if 0 < top_k < x.numel():
+        gap = float(x[top_k - 1] - x[top_k])
         x = x[:top_k]
     probs = torch.softmax(x, -1)
     excl = probs.cumsum(-1) - probs  # mass before each token: dropped when >= top_p
     kept = int((excl < top_p).sum())
-    return float((excl - top_p).abs().min()), kept
+    return min(gap, float((excl - top_p).abs().min())), kept
 
 
 def spec_samples(lm, draft, n: int, params: dict, seed0: int = 0):
@@ -332,18 +342,24 @@ def test_spec_sampling_matches_target_distribution(models, probabilistic):
     exact = exact_joint(lm, PROMPT, N_TOKENS, **SAMPLED)
     counts, lengths, accepted = spec_samples(lm, draft, N_SAMPLES, SAMPLED)
     steps = sum(accepted.values())
-    # the run must exercise acceptance: drafts accepted in many steps, and runs of two accepted drafts
-    assert lengths[2] > 0.1 * steps, (lengths, accepted)
-    assert accepted[2] + accepted[3] > 0.02 * steps, accepted
+    # the run must exercise acceptance: acceptance lengths > 1, drafts accepted in many steps (num_accepted is
+    # counted before the max_tokens cut), and runs of two or more accepted drafts
+    assert lengths[2] > 0.03 * steps, lengths
+    assert steps - accepted[0] > 0.15 * steps, accepted
+    assert accepted[2] + accepted[3] > 0.03 * steps, accepted
     assert_fits(counts, exact, f"spec sampling, probabilistic={probabilistic}")
 
 
 def test_negative_control_wrong_temperature_is_rejected(models):
-    """Power: the same test at the same sample size rejects a sampler that is off (temperature 1.3 instead of 1.0),
-    and accepts a correct one (the exact distribution sampled directly)."""
+    """Power: at the same sample size the same test rejects a sampler that is off (temperature 1.3 instead of 0.9,
+    same top_k; no top_p, whose cut would move with the temperature and make the support alone give it away), and
+    accepts a correct one (the exact distribution sampled directly). Ten independent draws each, so this measures
+    the power instead of relying on one lucky draw. (For scale: 1.3 vs 1.0 without truncation, a smaller change on
+    this peaked target, is rejected in only about 2 of 3 draws at this sample size.)"""
     lm, _ = models
-    right = exact_joint(lm, PROMPT, N_TOKENS, 1.0, 0, 1.0)
-    wrong = exact_joint(lm, PROMPT, N_TOKENS, 1.3, 0, 1.0)
+    right = exact_joint(lm, PROMPT, N_TOKENS, 0.9, SAMPLED["top_k"], 1.0)
+    wrong = exact_joint(lm, PROMPT, N_TOKENS, 1.3, SAMPLED["top_k"], 1.0)
+    assert set(wrong) == set(right)  # only the chi-square statistic can tell them apart
     gen = torch.Generator().manual_seed(11)
 
     def draw(joint):
@@ -351,9 +367,8 @@ def test_negative_control_wrong_temperature_is_rejected(models):
         idx = torch.multinomial(torch.tensor([joint[c] for c in cells]), N_SAMPLES, replacement=True, generator=gen)
         return Counter(cells[i] for i in idx.tolist())
 
-    assert_fits(draw(right), right, "direct sampling at the right temperature")
-    stat, df = chi_square_gof(draw(wrong), right)
-    assert stat > chi2_critical(df), (stat, df)
+    assert sum(rejected(draw(right), right) for _ in range(10)) == 0
+    assert sum(rejected(draw(wrong), right) for _ in range(10)) == 10
 
 
 def test_negative_control_lossy_acceptance_is_rejected(models, monkeypatch):
@@ -368,9 +383,8 @@ def test_negative_control_lossy_acceptance_is_rejected(models, monkeypatch):
     monkeypatch.setattr(single, "accept_tokens", off_by_one)
     lm, drafts = models
     exact = exact_joint(lm, PROMPT, N_TOKENS, **SAMPLED)
-    counts, _, _ = spec_samples(lm, drafts[False], N_SAMPLES // 2, SAMPLED)
-    stat, df = chi_square_gof(counts, exact)
-    assert stat > chi2_critical(df), (stat, df)
+    counts, _, _ = spec_samples(lm, drafts[False], 300, SAMPLED)
+    assert rejected(counts, exact)
 
 
 # --------------------------------------------------------------------------------------------------------------

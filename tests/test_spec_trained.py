@@ -31,6 +31,7 @@ CYCLE_A = list(range(10, 30))  # 10, 11, ..., 29, 10, ...
 CYCLE_B = [30 + (3 * i) % 20 for i in range(20)]  # 30, 33, 36, ..., 47, 30+0+..: stride 3 through 30..49
 CYCLES = [CYCLE_A, CYCLE_B]
 PROMPTS = [[14, 15, 16, 17], CYCLE_B[7:12]]
+OFF_PROMPT = [3, 50, 21, 7, 44, 12, 60]  # not a cycle: the draft is wrong at first, the rejection path runs
 
 
 def cycle_seq(cycle: list[int], start: int, length: int) -> list[int]:
@@ -147,7 +148,9 @@ def trained(tmp_path_factory):
     lm = load_model(str(root / "target"), device="cpu", with_tokenizer=False)
     draft = load_draft(SpeculativeConfig(draft_model=str(root / "draft")), lm)
     assert draft.spec.num_draft_tokens == BLOCK - 1 and draft.spec.target_layer_ids == TAPS
+    fc_before = draft.model.fc.weight.detach().clone()
     losses = train_draft(lm, draft)
+    assert not torch.equal(fc_before, draft.model.fc.weight)  # gradients reached the context projection
     return lm, draft, losses
 
 
@@ -161,7 +164,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 def test_training_worked(trained):
     lm, _, losses = trained
-    assert losses[-1] < 0.2 * losses[0], losses[::20]
+    assert sum(losses[-10:]) / 10 < 0.05 * losses[0], losses[::20]
     # the target learned the cycles: greedy continuation follows them
     for prompt, cycle in zip(PROMPTS, CYCLES):
         out = generate(lm, prompt, greedy(40)).token_ids
@@ -181,8 +184,13 @@ def test_trained_draft_is_lossless_with_long_accepted_runs(trained, k):
         assert sum(out.acceptance_lengths) == 60 - 1  # the first token comes from the prefill
         assert max(out.acceptance_lengths) <= k + 1
         print(f"K={k} prompt={prompt}: tau={tau:.2f} over {len(out.acceptance_lengths)} steps")
-        # K=1 cannot exceed 2 tokens per step; larger K must accept long runs
-        assert tau > (1.8 if k == 1 else 2.5 if k == 3 else 4.0), (k, tau, out.acceptance_lengths)
+        # K=1 cannot exceed 2 tokens per step; larger K must accept long runs (measured: 1.97, 3.93, 7.38)
+        assert tau > (1.8 if k == 1 else 3.0 if k == 3 else 5.0), (k, tau, out.acceptance_lengths)
+    # off the training distribution: drafts get rejected, output is still exactly the greedy one
+    ref = generate(lm, OFF_PROMPT, greedy(40)).token_ids
+    out = spec_generate(lm, d, OFF_PROMPT, greedy(40))
+    assert out.token_ids == ref
+    assert any(st["num_accepted"] < k for st in out.steps[:-1])
 
 
 def _step_tokens(result, prompt_len: int):

@@ -1,0 +1,144 @@
+"""LLMEngine: add requests, step, abort. Each step schedules, runs the models once, commits tokens, drafts."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.errors import BlockspecError
+from blockspec.generate import check_prompt
+from blockspec.kv.block_manager import BlockManager
+from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.loader import LoadedModel
+from blockspec.sampling import SamplingParams
+from blockspec.spec.stats import SpecStats
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # all generated tokens so far
+    new_token_ids: list[int]  # generated since the previous output of this request
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    acceptance_lengths: list[int]
+    mean_acceptance_length: float | None
+    num_preemptions: int = 0
+    steps: list[dict] | None = None  # per verify step: position, drafts, num_accepted
+
+
+class LLMEngine:
+    def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, config: EngineConfig | None = None) -> None:
+        self.lm, self.draft = lm, draft
+        self.config = config = config or EngineConfig()
+        cfg = lm.config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        param = next(lm.model.parameters())
+        target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        dshape = None
+        if draft is not None:
+            d = draft.config
+            dshape = CacheShape(d.num_hidden_layers, d.num_key_value_heads, d.head_dim)
+        blocks = config.num_kv_blocks
+        if blocks is None:
+            tokens = min(config.kv_cache_tokens, config.max_num_seqs * self.max_model_len)
+            blocks = max(2, -(-tokens // config.block_size))
+        self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device)
+        self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len)
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._aborted: list[Sequence] = []
+        self.K = draft.spec.num_draft_tokens if draft is not None else 0
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    speculate: bool = True) -> str:
+        check_prompt(prompt_ids, self.lm.config.vocab_size, self.max_model_len)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs and not self.seqs[rid].finished:
+            raise BlockspecError(f"request id {rid!r} is already in use")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.lm.stop_token_ids))
+        seq = Sequence(
+            request_id=rid, prompt_ids=list(prompt_ids), params=params, stop_ids=stops,
+            max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
+            speculate=speculate and self.draft is not None, generator=params.make_generator(self.pool.k.device),
+            stats=SpecStats(self.K), arrival=next(self._arrivals),
+        )
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.abort(seq)
+            self._aborted.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _commit(self, seq: Sequence, new: list[int], num_accepted: int | None, kv_rows: int) -> None:
+        seq.num_computed += kv_rows
+        emitted = 0
+        for t in new:
+            seq.output_ids.append(t)
+            emitted += 1
+            if t in seq.stop_ids:
+                self.scheduler.finish(seq, "stop")
+                break
+            if len(seq.output_ids) >= seq.max_new_tokens:
+                self.scheduler.finish(seq, "length")
+                break
+        if num_accepted is not None:
+            seq.stats.record(num_accepted, emitted)
+            seq.trace.append({"position": seq.num_computed - kv_rows, "draft": seq.drafts, "num_accepted": num_accepted})
+        if not seq.finished:
+            seq.num_hashed = self.blocks.commit_full_blocks(seq.block_table, seq.tokens, seq.num_computed, seq.num_hashed)
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return self._outputs([])
+        results = self.runner.step(scheduled, self.K)
+        for r in results:
+            self._commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
+        ready = [r.seq for r in results if not r.seq.finished and not r.seq.in_prefill]
+        K = self.config.draft_len(len(self.scheduler.running), self.K)
+        to_draft, ks = [], []
+        for seq in ready:
+            k = min(K, self.max_model_len - 1 - seq.num_computed) if seq.speculate else 0
+            if k > 0:
+                to_draft.append(seq)
+                ks.append(k)
+            else:
+                seq.drafts, seq.draft_probs = [], None
+        if to_draft:
+            self.runner.propose(to_draft, ks)
+        return self._outputs([r.seq for r in results])
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        seqs, self._aborted = seqs + self._aborted, []
+        outs = []
+        for seq in seqs:
+            new = seq.output_ids[seq.num_streamed:]
+            if seq.final_sent or (not new and not seq.finished):
+                continue
+            seq.num_streamed, seq.final_sent = len(seq.output_ids), seq.finished
+            if seq.finished:  # the caller has everything: the engine forgets the request
+                self.seqs.pop(seq.request_id, None)
+            outs.append(RequestOutput(
+                seq.request_id, seq.prompt_ids, list(seq.output_ids), new, seq.finished, seq.finish_reason,
+                list(seq.stats.acceptance_lengths), seq.stats.mean_acceptance_length, seq.num_preemptions,
+                list(seq.trace),
+            ))
+        return outs

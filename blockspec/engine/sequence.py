@@ -1,0 +1,63 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.sampling import SamplingParams
+from blockspec.spec.stats import SpecStats
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: set[int]
+    max_new_tokens: int  # max_tokens capped by the model's context
+    speculate: bool  # False: plain autoregressive rows for this request
+    generator: torch.Generator | None
+    stats: SpecStats
+    arrival: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens from position 0 whose target KV and draft context are in the pool
+    num_hashed: int = 0  # leading blocks registered in the prefix cache
+    drafts: list[int] = field(default_factory=list)  # proposals for the tokens after the bonus
+    draft_probs: torch.Tensor | None = None  # [K, V] q of sampled drafts (probabilistic drafting only)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    trace: list[dict] = field(default_factory=list)
+    num_streamed: int = 0  # output tokens already handed to the caller
+    final_sent: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens that must be in the KV before decoding: the prompt, or after preemption everything but the bonus."""
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_len or not self.output_ids
+
+    @property
+    def bonus(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

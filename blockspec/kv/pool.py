@@ -1,0 +1,48 @@
+"""The paged KV pool: fixed-size blocks for every target layer AND every draft layer.
+
+One block id addresses both: the draft-context K/V of the token at position p lives in the same block/slot as the
+target K/V of that token, so one block table per sequence serves both models, memory grows with live tokens only,
+and a prefix-cache hit restores both at once. Slot = block_id * block_size + offset; slot -1 means "do not write"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class KVPool:
+    def __init__(
+        self, num_blocks: int, block_size: int, target: CacheShape, draft: CacheShape | None,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.target_shape, self.draft_shape = target, draft
+        # [layers, num_blocks * block_size, kv_heads, head_dim]: slots flattened, pages are views of block_size rows
+        slots = num_blocks * block_size
+        self.k = torch.zeros(target.num_layers, slots, target.num_kv_heads, target.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        if draft is not None:
+            self.draft_k = torch.zeros(draft.num_layers, slots, draft.num_kv_heads, draft.head_dim, dtype=dtype, device=device)
+            self.draft_v = torch.zeros_like(self.draft_k)
+        else:
+            self.draft_k = self.draft_v = None
+
+    @staticmethod
+    def bytes_per_token(target: CacheShape, draft: CacheShape | None, dtype: torch.dtype) -> int:
+        """2 (K and V) x sum over models of layers x kv_heads x head_dim x element size."""
+        elems = target.num_layers * target.num_kv_heads * target.head_dim
+        if draft is not None:
+            elems += draft.num_layers * draft.num_kv_heads * draft.head_dim
+        return 2 * elems * torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        tensors = [self.k, self.v] + ([self.draft_k, self.draft_v] if self.draft_k is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,72 @@
+"""LLM: the offline facade. LLM(model, speculative_config=...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence as Seq
+
+from tqdm import tqdm
+
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.llm_engine import LLMEngine, RequestOutput
+from blockspec.errors import BlockspecError
+from blockspec.loading.loader import load_model
+from blockspec.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, speculative_config: SpeculativeConfig | dict | None = None,
+                 device: str | None = None, dtype: str | None = None, **engine_config) -> None:
+        self.lm = load_model(model, device=device, dtype=dtype)
+        self.tokenizer = self.lm.tokenizer
+        draft = None
+        if speculative_config is not None:
+            from blockspec.loading.draft_loader import load_draft
+
+            if isinstance(speculative_config, dict):
+                speculative_config = SpeculativeConfig(**speculative_config)
+            draft = load_draft(speculative_config, self.lm)
+        self.engine = LLMEngine(self.lm, draft, EngineConfig(**engine_config))
+
+    @classmethod
+    def from_loaded(cls, lm, draft=None, **engine_config) -> "LLM":
+        """Wrap an already loaded target (and draft) without reading any files again."""
+        self = cls.__new__(cls)
+        self.lm, self.tokenizer = lm, lm.tokenizer
+        self.engine = LLMEngine(lm, draft, EngineConfig(**engine_config))
+        return self
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise BlockspecError("this model has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _add_all(self, prompts: Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list[str]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise BlockspecError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        return [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, sampling_params)]
+
+    def stream(self, prompts: Seq[str | list[int]], sampling_params=None) -> Iterator[RequestOutput]:
+        """Yields RequestOutput deltas (new_token_ids) as the engine steps, until every request is finished."""
+        self._add_all(prompts, sampling_params)
+        while self.engine.has_unfinished():
+            yield from self.engine.step()
+
+    def generate(self, prompts: Seq[str | list[int]] | str, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = self._add_all(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req") as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+    def decode(self, out: RequestOutput) -> str | None:
+        return self.tokenizer.decode(out.token_ids) if self.tokenizer is not None else None
