@@ -24,6 +24,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompts-file", help="many prompts: text (one per line) or JSONL with prompt/prompt_ids[/max_tokens]")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (--prompts-file)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -50,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    session = None
+    session, draft = None, None
     if args.draft is not None:
         from blockspec.config import SpeculativeConfig
         from blockspec.loading.draft_loader import load_draft
@@ -60,6 +62,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace:
         raise BlockspecError("--num-draft-tokens, --probabilistic-drafting and --trace need --draft")
     tok = lm.tokenizer
+    if args.prompts_file is not None:
+        from blockspec.batch_cli import run_prompts_file
+
+        return run_prompts_file(args, lm, draft, params)
     if args.prompt_ids is not None:
         if args.chat:
             raise BlockspecError("--chat needs --prompt text, not --prompt-ids")

@@ -69,7 +69,8 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs [N, V] -> token ids [N] by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # clamp: a zero draw would turn 0/0 into NaN, which argmax ranks first
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
     return (probs / noise).argmax(dim=-1)
 
 

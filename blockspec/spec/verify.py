@@ -50,5 +50,5 @@ def accept_probabilistic(
     total = residual.sum(-1, keepdim=True)
     # p == q exactly leaves no residual mass; rejection then has probability 0, so p_n is a safe fallback
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_n)
-    correction = (residual / exp_noise).argmax(dim=-1)
+    correction = (residual / exp_noise.clamp_min(1e-30)).argmax(dim=-1)
     return _emit(drafts, n, correction), n
