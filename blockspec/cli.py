@@ -130,9 +130,73 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, args.max_tokens, args.device)
 
 
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="DFlash drafter; without it only the plain engine is timed")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from blockspec.bench.offline import bench, synthetic_prompts
+    from blockspec.loading.loader import load_model
+
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False)
+    draft = None
+    if args.draft:
+        from blockspec.config import SpeculativeConfig
+        from blockspec.loading.draft_loader import load_draft
+
+        draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
+    prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
+    report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size)
+    report["config"] = {k: getattr(args, k) for k in ("model", "draft", "num_prompts", "prompt_len", "max_tokens",
+                                                      "max_batch_size", "num_draft_tokens")}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for mode in ("plain", "spec"):
+            if mode in report:
+                r = report[mode]
+                tau = f", tau {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else ""
+                print(f"{mode:5s}: {r['generated_tokens']} tokens in {r['time_s']:.2f}s = {r['tokens_per_second']:.1f} tok/s{tau}")
+        if "speedup" in report:
+            print(f"speedup spec/plain: {report['speedup']:.2f}x (outputs identical: {report['outputs_identical']})")
+    return 0
+
+
+def add_init_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model the drafter is for (default: bundled model)")
+    p.add_argument("--out", required=True, help="output directory (z-lab DFlash checkpoint format)")
+    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_init_draft(args: argparse.Namespace) -> int:
+    from blockspec.loading.source import resolve_source
+    from blockspec.models.config import ModelConfig
+    from blockspec.train.export import init_draft
+
+    src = resolve_source(args.target)
+    out = init_draft(ModelConfig.from_hf(src.config, str(src.path)), args.out, args.draft_layers, args.block_size,
+                     args.mask_token_id, args.seed)
+    print(f"wrote a randomly initialized DFlash drafter to {out}")
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "generate": ("generate text from a prompt", add_generate_args, cmd_generate),
     "demo": ("run the bundled model on a few prompts (offline, CPU)", add_demo_args, cmd_demo),
+    "bench": ("offline throughput: speculative vs plain, one run", add_bench_args, cmd_bench),
+    "init-draft": ("write a randomly initialized DFlash drafter for a target", add_init_draft_args, cmd_init_draft),
 }
 
 

@@ -87,7 +87,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # rows per target forward: prefill chunk tokens + verify rows
     block_size: int = 16  # tokens per KV page (target and draft context share pages)
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length requests, capped by kv_cache_tokens
-    kv_cache_tokens: int = 131072  # cap on pool size when num_kv_blocks is None
+    kv_cache_tokens: int = 16384  # pool size in tokens when num_kv_blocks is None (capped by max_num_seqs x max_model_len)
     max_model_len: int | None = None  # None: the target's max_position_embeddings
     enable_prefix_caching: bool = True
     draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}

@@ -99,7 +99,7 @@ class LLMEngine:
             if len(seq.output_ids) >= seq.max_new_tokens:
                 self.scheduler.finish(seq, "length")
                 break
-        if num_accepted is not None:
+        if num_accepted is not None and seq.speculate:
             seq.stats.record(num_accepted, emitted)
             seq.trace.append({"position": seq.num_computed - kv_rows, "draft": seq.drafts, "num_accepted": num_accepted})
         if not seq.finished:
