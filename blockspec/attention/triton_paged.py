@@ -1,0 +1,145 @@
+"""Triton kernels for the paged layout: KV store and varlen paged attention (GPU; CPU under TRITON_INTERPRET=1).
+
+One attention kernel serves both models. Each program owns BLOCK_M query rows of one sequence and one query head;
+it streams the sequence's cached keys (positions < kv_len, through the block table, page by page) with an online
+softmax, masked by position: causal (k <= q) or not, optional window (q - k < W, or |q - k| < W when non-causal).
+The draft block additionally attends to its own K/V, which are passed in and never stored (HAS_NEW)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # slot -1: padding / rejected rows are not written
+        offs = tl.arange(0, BLOCK)
+        m = offs < ROW
+        tl.store(kc_ptr + slot * ROW + offs, tl.load(k_ptr + t * ROW + offs, mask=m), mask=m)
+        tl.store(vc_ptr + slot * ROW + offs, tl.load(v_ptr + t * ROW + offs, mask=m), mask=m)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] -> caches [num_slots, Hkv, D] at `slots` [T] (-1 skips)."""
+    T = k.shape[0]
+    if T == 0:
+        return
+    row = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(T,)](k.contiguous(), v.contiguous(), k_cache, v_cache, slots, ROW=row,
+                           BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _masked_scores(s, q_pos, k_pos, valid, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    ok = valid
+    diff = q_pos[:, None] - k_pos[None, :]
+    if CAUSAL:
+        ok = ok & (diff >= 0)
+    if WINDOW > 0:
+        if CAUSAL:
+            ok = ok & (diff < WINDOW)
+        else:
+            ok = ok & (diff < WINDOW) & (diff > -WINDOW)
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, o_ptr, pos_ptr, qstart_ptr, kvlen_ptr, bt_ptr,
+    scale, bt_stride,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    kvh = h // (HQ // HKV)
+    q0 = tl.load(qstart_ptr + b)
+    q1 = tl.load(qstart_ptr + b + 1)
+    rows = q0 + mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q1
+    if mblk * BLOCK_M < q1 - q0:
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(q_ptr + (rows[:, None] * HQ + h) * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+        kv_len = tl.load(kvlen_ptr + b)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, kv_len, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < kv_len
+            page = tl.load(bt_ptr + b * bt_stride + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
+            slot = page * PAGE + k_pos % PAGE
+            kv_off = (slot[:, None] * HKV + kvh) * D + d[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = _masked_scores(s, q_pos, k_pos, k_ok[None, :] & row_ok[:, None], CAUSAL, WINDOW)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        if HAS_NEW:  # the draft block's own K/V: rows q0..q1 of k_new / v_new, at the queries' positions
+            for start in range(0, q1 - q0, BLOCK_N):
+                n_rows = q0 + start + tl.arange(0, BLOCK_N)
+                n_ok = n_rows < q1
+                k_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
+                n_off = (n_rows[:, None] * HKV + kvh) * D + d[None, :]
+                k = tl.load(kn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                s = _masked_scores(s, q_pos, k_pos, n_ok[None, :] & row_ok[:, None], CAUSAL, WINDOW)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(vn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + (rows[:, None] * HQ + h) * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [T] int64
+    query_start: torch.Tensor,  # [B+1] int32/int64
+    kv_lens: torch.Tensor,  # [B] cached positions 0..kv_len-1 are candidates
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    page_size: int,
+    scale: float,
+    max_q_len: int,
+    causal: bool,
+    window: int | None = None,
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D] the draft block's own keys (not in the cache)
+    v_new: torch.Tensor | None = None,
+) -> torch.Tensor:
+    T, HQ, D = q.shape
+    HKV = k_cache.shape[1]
+    B = kv_lens.shape[0]
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    block_m = 16
+    grid = (B, HQ, triton.cdiv(max_q_len, block_m))
+    has_new = k_new is not None
+    _paged_attn_kernel[grid](
+        q.contiguous(), k_cache, v_cache, k_new.contiguous() if has_new else q, v_new.contiguous() if has_new else q,
+        out, positions, query_start, kv_lens, block_tables, scale, block_tables.stride(0),
+        HQ=HQ, HKV=HKV, D=D, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32 if D <= 128 else 16,
+        BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, WINDOW=window or 0, HAS_NEW=has_new,
+    )
+    return out
