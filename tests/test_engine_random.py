@@ -221,7 +221,7 @@ def run_scenario(pair, sc: Scenario):
     return engine
 
 
-SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
+SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -232,7 +232,7 @@ def test_random_engine_runs(pair, sc):
 
 
 @PREFIX_HIT_BUG
-@settings(max_examples=25, phases=[Phase.explicit, Phase.generate], **SETTINGS)
+@settings(max_examples=25, **SETTINGS)
 @given(sc=scenarios(prefix_caching=True))
 def test_random_engine_runs_prefix_cache_block_size_above_1(pair, sc):
     run_scenario(pair, sc)

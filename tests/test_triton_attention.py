@@ -81,3 +81,28 @@ def test_store_kv_skips_minus_one():
     store_kv(k, v, kc, vc, torch.tensor([3, -1, 7, 0], device=DEV))
     assert torch.equal(kc[3], k[0]) and torch.equal(kc[7], k[2]) and torch.equal(vc[0], v[3])
     assert kc[[1, 2, 4, 5, 6, 8, 9]].abs().sum() == 0
+
+
+def test_engine_with_triton_backend_equals_reference(tmp_path):
+    """The whole engine (target + DFlash draft) on the Triton backend gives the torch backend's tokens."""
+    from blockspec.config import SpeculativeConfig
+    from blockspec.llm import LLM
+    from blockspec.loading.draft_loader import load_draft
+    from blockspec.loading.loader import load_model
+    from blockspec.sampling import SamplingParams
+    from dflash_utils import make_zlab_draft
+    from hf_utils import make_hf_model, save_hf_model
+
+    hf = make_hf_model("qwen3", seed=31, num_hidden_layers=2)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", layers=1, block_size=4, target_layer_ids=[0, 1], scale=2.0,
+                    layer_types=["sliding_attention"], sliding_window=3)
+    lm = load_model(str(tmp_path / "t"), device=DEV, dtype="float32", with_tokenizer=False)
+    dr = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm)
+    prompts = [[5, 6, 7], list(range(1, 14)), [9]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM.from_loaded(lm, dr, block_size=4, max_num_batched_tokens=16, attention_backend=backend)
+        outs[backend] = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]

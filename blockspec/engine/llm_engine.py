@@ -54,7 +54,7 @@ class LLMEngine:
         self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len)
+        self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.attention.paged_ref import PagedBatch, PagedDraftAttention, PagedTargetAttention, store
+from blockspec.attention.backends import get_backend
+from blockspec.attention.paged_ref import PagedBatch, store
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.kv.pool import KVPool
@@ -48,9 +49,11 @@ def _batch(items: list[tuple[Sequence, list[int], list[int], list[int], int]], d
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, pool: KVPool, max_model_len: int) -> None:
+    def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, pool: KVPool, max_model_len: int,
+                 attention_backend: str = "auto") -> None:
         self.lm, self.draft, self.pool = lm, draft, pool
         self.device = next(lm.model.parameters()).device
+        self.target_attn, self.draft_attn = get_backend(attention_backend, self.device)
         self.taps = draft.spec.target_layer_ids if draft is not None else []
         self.max_model_len = max_model_len
 
@@ -69,7 +72,7 @@ class ModelRunner:
         batch = _batch(items, self.device)
         input_ids = torch.tensor([t for *_, ids, _ in items for t in ids], device=self.device)
         flat_rows = torch.tensor([r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device)
-        out = self.lm.model(input_ids, batch.positions, PagedTargetAttention(self.pool, batch), tap_layers=self.taps,
+        out = self.lm.model(input_ids, batch.positions, self.target_attn(self.pool, batch), tap_layers=self.taps,
                             logit_rows=flat_rows)
         logits = out.logits
         results: list[StepResult] = []
@@ -132,7 +135,7 @@ class ModelRunner:
             items.append((seq, pos, [-1] * (K + 1), [seq.bonus] + [spec.mask_token_id] * K, nc))
         batch = _batch(items, self.device)
         ids = torch.tensor([t for *_, ids, _ in items for t in ids], device=self.device)
-        hidden = self.draft.model(self.lm.model.embed_tokens(ids), batch.positions, PagedDraftAttention(self.pool, batch))
+        hidden = self.draft.model(self.lm.model.embed_tokens(ids), batch.positions, self.draft_attn(self.pool, batch))
         qs = batch.query_start
         draft_rows = torch.tensor([r for i in range(len(seqs)) for r in range(qs[i] + 1, qs[i + 1])], device=self.device)
         logits = self.draft.model.compute_logits(hidden[draft_rows], self.lm.model.lm_head)
