@@ -21,6 +21,7 @@ import torch
 
 from blockspec.config import SpeculativeConfig
 from blockspec.engine.sequence import SeqStatus
+from blockspec.errors import BlockspecError
 from blockspec.generate import generate
 from blockspec.kv.pool import CacheShape, KVPool
 from blockspec.llm import LLM
@@ -47,6 +48,24 @@ PREFIX_HIT_BUG = pytest.mark.xfail(strict=True, reason=(
     "scheduler.py Scheduler.schedule sets seq.num_hashed = len(hits) * block_size (tokens) where a block count is "
     "expected: prefix-cache hits with block_size > 1 crash in BlockManager.commit_full_blocks (IndexError) or "
     "register blocks under wrong hashes"))
+
+# BUG (blockspec/engine/scheduler.py, Scheduler.schedule, waiting loop): a waiting request takes its prefix-cache
+# hits (match_prefix increments their reference counts and they go into its block table) BEFORE the scheduler checks
+# that the rest of its chunk can be allocated; when it cannot (`break`), the request stays in the waiting queue still
+# holding those blocks. _reserve only preempts RUNNING requests, so a running request that needs those blocks
+# preempts itself every step and is re-admitted, forever (livelock; LLM.generate never returns).
+# Fix: release the hits (and reset num_computed/num_hashed) before breaking, or take them only once admitted.
+PINNED_HITS_BUG = pytest.mark.xfail(strict=True, reason=(
+    "scheduler.py Scheduler.schedule: a waiting request that cannot be admitted keeps its prefix-cache hits "
+    "referenced; a running request needing those blocks is preempted and re-admitted forever (livelock)"))
+
+# BUG (blockspec/engine/scheduler.py): a pool too small for one request (prompt + outputs + verify window) never
+# errors: the request preempts itself when it cannot grow, is re-admitted by the "nothing to wait for" branch, which
+# recomputes as much as fits, and so on forever; the RuntimeError("KV pool too small to make progress on a single
+# request") there is never reached because that branch always finds some room after the self-preemption.
+POOL_TOO_SMALL_LIVELOCK = pytest.mark.xfail(strict=True, reason=(
+    "scheduler.py: a KV pool too small for a single request livelocks (self-preemption + re-admission) instead of "
+    "raising an error"))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -562,3 +581,87 @@ def test_speculate_false_request_decodes_plainly(trained):
         else:
             assert all(a == 1 for a in o.acceptance_lengths)
             assert all(not st["draft"] for st in (o.steps or []))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# scheduler corner cases
+
+
+def _drive(engine, max_steps: int) -> bool:
+    """Steps until nothing is left; False if it is still unfinished after max_steps."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return True
+        engine.step()
+        check_block_accounting(engine)
+    return not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, pytest.param(True, marks=PINNED_HITS_BUG)])
+def test_waiting_request_with_prefix_hits_does_not_block_a_running_one(tiny, prefix_caching):
+    """a (running) needs 35 of the 40 blocks; b waits with a 20-token cached prefix and a 10-token rest that does not
+    fit yet. b must simply wait for a (block_size 1: independent of PREFIX_HIT_BUG)."""
+    lm, _ = tiny
+    llm = LLM.from_loaded(lm, None, block_size=1, num_kv_blocks=40, max_num_seqs=2,
+                          enable_prefix_caching=prefix_caching)
+    e = llm.engine
+    shared = list(range(3, 23))
+    llm.generate([shared], greedy(3, ignore_eos=True), use_tqdm=False)  # its 20 prompt blocks are now cached
+    pa, pb = list(range(40, 55)), shared + list(range(60, 70))
+    sa, sb = greedy(20, ignore_eos=True), greedy(2, ignore_eos=True)
+    ra, rb = e.add_request(pa, sa), e.add_request(pb, sb)
+    outs = {}
+    for _ in range(200):
+        if not e.has_unfinished():
+            break
+        for o in e.step():
+            outs[o.request_id] = o
+        check_block_accounting(e)
+    assert not e.has_unfinished(), f"no progress: {e.scheduler.num_preemptions} preemptions"
+    assert outs[ra].token_ids == plain_ref(lm, pa, sa)[0] and outs[rb].token_ids == plain_ref(lm, pb, sb)[0]
+    assert_pool_empty(e)
+
+
+@POOL_TOO_SMALL_LIVELOCK
+@pytest.mark.parametrize("prompt_len,max_tokens", [(5, 30), (30, 2)])
+def test_pool_too_small_for_one_request_is_an_error(tiny, prompt_len, max_tokens):
+    lm, _ = tiny
+    llm = LLM.from_loaded(lm, None, block_size=4, num_kv_blocks=4, enable_prefix_caching=False)  # 16 tokens
+    try:
+        llm.engine.add_request(list(range(3, 3 + prompt_len)), greedy(max_tokens, ignore_eos=True))
+        finished = _drive(llm.engine, 300)
+    except (BlockspecError, RuntimeError) as e:  # an error naming the pool, at add_request or while stepping
+        assert "pool" in str(e).lower() or "block" in str(e).lower(), e
+        return
+    pytest.fail("the request " + ("finished in a pool smaller than it needs" if finished
+                                  else "neither finishes nor fails (livelock)"))
+
+
+def test_pool_exactly_large_enough_for_one_request(tiny):
+    """The smallest pool that holds one request (prompt + outputs + verify window) serves many, one at a time."""
+    lm, draft = tiny
+    prompts = [[7] * 30, [8] * 3, list(range(50, 70))]
+    params = [greedy(10, ignore_eos=True)] * 3
+    need = -(-(30 + 10 + 8) // 4)  # blocks of 4 tokens for the largest request and its K+1 verify window
+    llm = LLM.from_loaded(lm, draft, block_size=4, num_kv_blocks=need, enable_prefix_caching=False,
+                          max_num_batched_tokens=16)
+    outs = Run(llm).run(prompts, params)
+    assert_equal_plain(lm, prompts, params, outs)
+
+
+# Not a correctness bug, a missed cache fill (blockspec/engine/llm_engine.py, LLMEngine._commit): full blocks are
+# registered in the prefix cache only `if not seq.finished`, so the blocks completed in a request's last step are
+# never cached. A request that finishes in its prefill step (max_tokens=1, or an early stop) leaves nothing in the
+# cache, and an identical prompt sent next misses entirely.
+@pytest.mark.xfail(strict=True, reason=(
+    "llm_engine.py LLMEngine._commit skips commit_full_blocks when the request finished in this step: a prompt "
+    "whose request ends in its prefill step is never cached"))
+def test_prompt_of_a_request_finishing_in_prefill_is_cached(tiny):
+    lm, _ = tiny
+    llm = LLM.from_loaded(lm, None, block_size=1)  # block_size 1: independent of PREFIX_HIT_BUG
+    prompt = list(range(3, 40))
+    llm.generate([prompt], greedy(1), use_tqdm=False)
+    hits = llm.engine.blocks.prefix_hits
+    out = llm.generate([prompt], greedy(4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == plain_ref(lm, prompt, greedy(4, ignore_eos=True))[0]
+    assert llm.engine.blocks.prefix_hits - hits == len(prompt) - 1

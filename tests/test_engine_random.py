@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 
 from blockspec.errors import BlockspecError
 from blockspec.generate import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
-from test_engine import PREFIX_HIT_BUG, check_block_accounting
+from test_engine import PINNED_HITS_BUG, PREFIX_HIT_BUG, check_block_accounting
 from trained_pair import CYCLE_A, CYCLE_B, MAX_POSITIONS, VOCAB, cycle_seq, trained_pair
 
 K = 7  # the trained drafter's block size 8 - 1
@@ -57,7 +58,7 @@ class Scenario:
     budget: int
     max_model_len: int | None
     prefix_caching: bool
-    pool_slack: float  # pool = blocks for the largest single request x (1 + slack)
+    pool_slack: float | None  # pool = blocks for the largest single request x (1 + slack); None: for all
     reqs: list[Req]
 
     @property
@@ -68,58 +69,54 @@ class Scenario:
 BASES = [cycle_seq(CYCLE_A, 4, 40), [3, 50, 21, 7, 44, 12, 60, 9] + cycle_seq(CYCLE_B, 0, 32)]
 
 
-@st.composite
-def prompts(draw, max_len: int) -> list[int]:
-    kind = draw(st.sampled_from(["cycle", "shared", "random", "mixed"]))
-    n = draw(st.integers(1, max_len))
+def random_prompt(rng: random.Random, max_len: int) -> list[int]:
+    kind = rng.choice(["cycle", "shared", "random", "mixed"])
+    n = rng.randint(1, max_len)
     if kind == "cycle":
-        cyc = draw(st.sampled_from([CYCLE_A, CYCLE_B]))
-        return cycle_seq(cyc, draw(st.integers(0, 19)), n)
+        return cycle_seq(rng.choice([CYCLE_A, CYCLE_B]), rng.randrange(20), n)
     if kind == "shared":  # long common prefixes: prefix-cache hits across requests
-        base = draw(st.sampled_from(BASES))
-        k = draw(st.integers(1, min(n, len(base))))
-        tail = draw(st.lists(st.integers(0, VOCAB - 1), max_size=max(0, n - k)))
-        return base[:k] + tail
+        base = rng.choice(BASES)
+        k = rng.randint(1, min(n, len(base)))
+        return base[:k] + [rng.randrange(VOCAB) for _ in range(n - k)]
     if kind == "random":
-        return draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
-    head = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4))
-    return (head + cycle_seq(CYCLE_A, draw(st.integers(0, 19)), n))[:n]
+        return [rng.randrange(VOCAB) for _ in range(n)]
+    head = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))]
+    return (head + cycle_seq(CYCLE_A, rng.randrange(20), n))[:n]
 
 
-@st.composite
-def requests(draw, model_len: int, max_steps: int) -> Req:
-    prompt = draw(prompts(min(48, model_len - 1)))
-    greedy = draw(st.booleans())
+def random_request(rng: random.Random, model_len: int) -> Req:
+    greedy = rng.random() < 0.5
     params = SamplingParams(
-        temperature=0.0 if greedy else draw(st.sampled_from([0.6, 1.0, 1.5])),
-        top_k=0 if greedy else draw(st.sampled_from([0, 5])),
-        top_p=1.0 if greedy else draw(st.sampled_from([1.0, 0.9])),
-        seed=None if greedy else draw(st.integers(0, 2**31)),
-        max_tokens=draw(st.integers(1, 24)),
+        temperature=0.0 if greedy else rng.choice([0.6, 1.0, 1.5]),
+        top_k=0 if greedy else rng.choice([0, 5]),
+        top_p=1.0 if greedy else rng.choice([1.0, 0.9]),
+        seed=None if greedy else rng.randrange(2**31),
+        max_tokens=rng.randint(1, 24) if rng.random() < 0.5 else rng.randint(12, 24),
         # cycle tokens as stops: they land inside accepted runs
-        stop_token_ids=draw(st.lists(st.integers(10, 49), max_size=2)),
-        ignore_eos=draw(st.booleans()),
+        stop_token_ids=rng.sample(range(10, 50), rng.choice([1, 2])) if rng.random() < 0.4 else [],
+        ignore_eos=rng.random() < 0.5,
     )
-    arrival = draw(st.integers(0, max_steps))
-    abort_at = draw(st.one_of(st.none(), st.none(), st.integers(arrival, arrival + 10)))
-    return Req(prompt, params, draw(st.booleans() | st.just(True)), arrival, abort_at)
+    arrival = rng.randint(0, 3) if rng.random() < 0.7 else rng.randint(0, 10)
+    abort_at = arrival + rng.randint(0, 8) if rng.random() < 0.2 else None
+    return Req(random_prompt(rng, min(48, model_len - 1)), params, rng.random() < 0.85, arrival, abort_at)
 
 
-@st.composite
-def scenarios(draw, prefix_caching: bool | None = None) -> Scenario:
+def random_scenario(seed: int, prefix_caching: bool | None = None) -> Scenario:
+    rng = random.Random(seed)
     if prefix_caching is None:
-        caching = draw(st.booleans())
-        # TODO(after the PREFIX_HIT_BUG fix): every block size with the prefix cache on, here too
-        block_size = 1 if caching else draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+        # TODO(after the PREFIX_HIT_BUG and PINNED_HITS_BUG fixes): the prefix cache with every block size and small
+        # pools here too (test_random_engine_runs_prefix_cache_small_pools covers that meanwhile, xfailed)
+        caching = rng.random() < 0.4
+        block_size = 1 if caching else rng.choice([1, 2, 3, 4, 8, 16])
+        slack = None if caching else rng.choice([0.0, 0.0, 0.5, 1.0, 4.0])
     else:
-        caching, block_size = prefix_caching, draw(st.sampled_from([2, 3, 4, 8, 16]))
-    max_model_len = draw(st.sampled_from([None, None, 40, 64]))
+        caching, block_size, slack = True, rng.choice([1, 2, 3, 4, 8, 16]), rng.choice([0.0, 0.5, 1.0])
+    max_model_len = rng.choice([None, None, 40, 64])
     mml = min(max_model_len or MAX_POSITIONS, MAX_POSITIONS)
-    reqs = draw(st.lists(requests(mml, 8), min_size=1, max_size=8))
     return Scenario(
-        use_draft=draw(st.booleans() | st.just(True)), block_size=block_size,
-        max_num_seqs=draw(st.integers(1, 6)), budget=draw(st.integers(4, 64)), max_model_len=max_model_len,
-        prefix_caching=caching, pool_slack=draw(st.sampled_from([0.0, 0.5, 1.0, 4.0])), reqs=reqs,
+        use_draft=rng.random() < 0.75, block_size=block_size, max_num_seqs=rng.randint(1, 8),
+        budget=rng.randint(4, 80), max_model_len=max_model_len, prefix_caching=caching, pool_slack=slack,
+        reqs=[random_request(rng, mml) for _ in range(rng.randint(3, 10))],
     )
 
 
@@ -128,10 +125,10 @@ def max_new(sc: Scenario, r: Req) -> int:
 
 
 def pool_blocks(sc: Scenario) -> int:
-    """Enough for the largest request alone (prompt + outputs + a full verify window), times (1 + slack)."""
-    peak = max(len(r.prompt) + max_new(sc, r) + K + 1 for r in sc.reqs)
-    need = math.ceil(peak / sc.block_size) + 1
-    return max(2, int(need * (1 + sc.pool_slack)))
+    """Enough for the largest request alone (prompt + outputs + a full verify window) times (1 + slack): preemption;
+    or with slack None enough for every request at once: never preempts."""
+    need = [math.ceil((len(r.prompt) + max_new(sc, r) + K + 1) / sc.block_size) + 1 for r in sc.reqs]
+    return max(2, sum(need) if sc.pool_slack is None else int(max(need) * (1 + sc.pool_slack)))
 
 
 _refs: dict = {}
@@ -177,7 +174,7 @@ def run_scenario(pair, sc: Scenario):
         collect(engine.step())
         check_block_accounting(engine)
         step += 1
-        assert step < 3000, "the engine does not make progress"
+        assert step < 1500, "the engine does not make progress"
     collect(engine.step())  # hands back requests aborted after the last step
     engine.abort("no-such-request")  # unknown / already finished ids are ignored
     for rid in ids.values():
@@ -218,6 +215,13 @@ def run_scenario(pair, sc: Scenario):
                 assert toks == ref[: len(toks)]
             else:
                 assert (toks, o.finish_reason) == (ref, reason), (i, r)
+    # what this example exercised (pytest --hypothesis-show-statistics)
+    event(f"requests: {len(sc.reqs)}, steps: {'<20' if step < 20 else '<60' if step < 60 else '>=60'}")
+    event(f"preempted: {engine.scheduler.num_preemptions > 0}")
+    event(f"prefix hits: {engine.blocks.prefix_hits > 0}")
+    event(f"aborted: {sum(final[ids[i]].finish_reason == 'abort' for i in aborted) > 0}")
+    event(f"stopped: {any(o.finish_reason == 'stop' for o in final.values())}")
+    event(f"drafts accepted: {any(a > 1 for o in final.values() for a in o.acceptance_lengths)}")
     return engine
 
 
@@ -226,30 +230,33 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
 
 
 @settings(max_examples=40, **SETTINGS)
-@given(sc=scenarios())
-def test_random_engine_runs(pair, sc):
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_engine_runs(pair, seed):
+    sc = random_scenario(seed)
+    note(repr(sc))
     run_scenario(pair, sc)
 
 
-@PREFIX_HIT_BUG
+@pytest.mark.xfail(strict=True, reason=f"{PREFIX_HIT_BUG.kwargs['reason']}; and {PINNED_HITS_BUG.kwargs['reason']}")
 @settings(max_examples=25, **SETTINGS)
-@given(sc=scenarios(prefix_caching=True))
-def test_random_engine_runs_prefix_cache_block_size_above_1(pair, sc):
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_engine_runs_prefix_cache_small_pools(pair, seed):
+    sc = random_scenario(seed, prefix_caching=True)
+    note(repr(sc))
     run_scenario(pair, sc)
 
 
 def test_random_scenario_covers_the_interesting_paths(pair):
-    """A fixed busy scenario: preemption, prefix hits (block_size 1), aborts of waiting and running requests."""
+    """A fixed busy scenario: preemption, aborts of waiting and running requests, stops, sampling, speculate off."""
     reqs = []
     for i in range(12):
         prompt = BASES[i % 2][: 10 + 3 * i] if i % 3 else cycle_seq(CYCLE_B, i, 5 + i)
         params = SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[44] if i == 4 else [],
                                 temperature=0.0 if i % 4 else 1.0, seed=i)
         reqs.append(Req(prompt, params, i != 7, i // 3, {2: 0, 5: 3, 9: 6}.get(i)))
-    sc = Scenario(True, 1, 6, 32, None, True, 0.5, reqs)
+    sc = Scenario(True, 1, 6, 32, None, False, 0.5, reqs)
     engine = run_scenario(pair, sc)
     assert engine.scheduler.num_preemptions > 0
-    assert engine.blocks.prefix_hits > 0
 
 
 def test_abort_and_request_ids(pair):
