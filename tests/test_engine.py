@@ -40,9 +40,9 @@ RANDOM_MASK = 127
 #     seq.num_computed = seq.num_hashed = len(hits) * self.blocks.block_size
 # sets num_hashed to a number of TOKENS, but Sequence.num_hashed and BlockManager.commit_full_blocks count BLOCKS
 # ("leading blocks registered in the prefix cache"; it indexes table[num_hashed - 1]). With block_size > 1 every
-# prefix-cache hit then either raises IndexError in commit_full_blocks (block_manager.py line 89) or, when the table
-# happens to be long enough, skips hashing blocks and registers later blocks under a wrong parent hash (a mid-sequence
-# block becomes findable as if it were a first block). block_size=1 is unaffected (tokens == blocks).
+# prefix-cache hit then either raises IndexError in BlockManager.commit_full_blocks (table[num_hashed - 1]) or,
+# when the table happens to be long enough, skips hashing blocks and registers later blocks under a wrong parent
+# hash (a mid-sequence block becomes findable as if it were a first block). block_size=1 is unaffected (tokens == blocks).
 # Fix: seq.num_hashed = len(hits); seq.num_computed = len(hits) * block_size.
 PREFIX_HIT_BUG = pytest.mark.xfail(strict=True, reason=(
     "scheduler.py Scheduler.schedule sets seq.num_hashed = len(hits) * block_size (tokens) where a block count is "
@@ -123,7 +123,7 @@ class Run:
     def step(self) -> None:
         outs = self.engine.step()
         self.steps += 1
-        assert self.steps < 20000, "the engine does not make progress"
+        assert self.steps < 5000, "the engine does not make progress"
         check_block_accounting(self.engine)
         self.max_running = max(self.max_running, len(self.engine.scheduler.running))
         accepting = 0
@@ -387,7 +387,8 @@ def test_preemption_keeps_outputs(tiny, workload, with_draft, prefix_caching):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_keeps_acceptance_lengths(trained, prefix_caching):
-    """Preempted requests are recomputed (from the prefix cache when on) and continue with the same drafts."""
+    """Preempted requests are recomputed and continue with the same drafts (the pool is so tight that their freed
+    blocks are reused at once: no prefix hits here even with the cache on)."""
     lm, draft = trained
     prompts, params = cycle_workload(10, seed=3, max_len=60, max_tokens=(30, 60))
     K = draft.spec.num_draft_tokens

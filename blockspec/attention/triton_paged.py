@@ -53,7 +53,7 @@ def _paged_attn_kernel(
     scale, bt_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -79,7 +79,7 @@ def _paged_attn_kernel(
             slot = page * PAGE + k_pos % PAGE
             kv_off = (slot[:, None] * HKV + kvh) * D + d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
             s = _masked_scores(s, q_pos, k_pos, k_ok[None, :] & row_ok[:, None], CAUSAL, WINDOW)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -87,7 +87,7 @@ def _paged_attn_kernel(
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
             m_i = m_new
         if HAS_NEW:  # the draft block's own K/V: rows q0..q1 of k_new / v_new, at the queries' positions
             for start in range(0, q1 - q0, BLOCK_N):
@@ -96,7 +96,7 @@ def _paged_attn_kernel(
                 k_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
                 n_off = (n_rows[:, None] * HKV + kvh) * D + d[None, :]
                 k = tl.load(kn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
                 s = _masked_scores(s, q_pos, k_pos, n_ok[None, :] & row_ok[:, None], CAUSAL, WINDOW)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -104,7 +104,7 @@ def _paged_attn_kernel(
                 alpha = tl.exp(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(vn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
                 m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + (rows[:, None] * HQ + h) * D + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -141,5 +141,7 @@ def paged_attention(
         out, positions, query_start, kv_lens, block_tables, scale, block_tables.stride(0),
         HQ=HQ, HKV=HKV, D=D, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32 if D <= 128 else 16,
         BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, WINDOW=window or 0, HAS_NEW=has_new,
+        # fp32 runs are the exactness oracle: no TF32 rounding in their dot products
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
