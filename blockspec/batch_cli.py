@@ -9,6 +9,7 @@ import sys
 import time
 
 from blockspec.errors import BlockspecError
+from blockspec.generate import check_prompt
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
@@ -23,10 +24,14 @@ def run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: LoadedDra
     for i, s in enumerate(specs):
         if s.prompt is not None:
             if tok is None:
-                raise BlockspecError(f"{args.prompts_file}: prompt {i + 1} is text but the model has no tokenizer; use prompt_ids")
+                raise BlockspecError(f"{args.prompts_file}:{s.line}: the prompt is text but the model has no tokenizer; use prompt_ids")
             ids = tok.apply_chat_template([{"role": "user", "content": s.prompt}]) if args.chat else tok.encode(s.prompt)
         else:
             ids = s.prompt_ids
+        try:
+            check_prompt(ids, lm.config.vocab_size, lm.config.max_position_embeddings)
+        except BlockspecError as e:
+            raise BlockspecError(f"{args.prompts_file}:{s.line}: {e}") from None
         prompts.append(ids)
         per_params.append(dataclasses.replace(params, max_tokens=s.max_tokens) if s.max_tokens else params)
     llm = LLM.from_loaded(lm, draft, max_num_seqs=args.max_batch_size)

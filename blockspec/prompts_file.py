@@ -14,6 +14,7 @@ class PromptSpec:
     prompt: str | None
     prompt_ids: list[int] | None
     max_tokens: int | None
+    line: int  # 1-based line in the file, for error messages
 
 
 def read_prompts_file(path: str) -> list[PromptSpec]:
@@ -29,7 +30,7 @@ def read_prompts_file(path: str) -> list[PromptSpec]:
         raise BlockspecError(f"{path}: no prompts (the file is empty)")
     jsonl = p.suffix == ".jsonl" or numbered[0][1].lstrip().startswith("{")
     if not jsonl:
-        return [PromptSpec(line, None, None) for _, line in numbered]
+        return [PromptSpec(line, None, None, n) for n, line in numbered]
     out = []
     for n, line in numbered:
         try:
@@ -45,5 +46,5 @@ def read_prompts_file(path: str) -> list[PromptSpec]:
             raise BlockspecError(f"{path}:{n}: 'prompt_ids' must be a non-empty list of integers")
         if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
             raise BlockspecError(f"{path}:{n}: 'max_tokens' must be an integer >= 1, got {mt!r}")
-        out.append(PromptSpec(text, ids, mt))
+        out.append(PromptSpec(text, ids, mt, n))
     return out

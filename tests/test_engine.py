@@ -36,38 +36,6 @@ from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 RANDOM_VOCAB = 128
 RANDOM_MASK = 127
 
-# BUG (blockspec/engine/scheduler.py, Scheduler.schedule, the prefix-cache lookup for a waiting request):
-#     seq.num_computed = seq.num_hashed = len(hits) * self.blocks.block_size
-# sets num_hashed to a number of TOKENS, but Sequence.num_hashed and BlockManager.commit_full_blocks count BLOCKS
-# ("leading blocks registered in the prefix cache"; it indexes table[num_hashed - 1]). With block_size > 1 every
-# prefix-cache hit then either raises IndexError in BlockManager.commit_full_blocks (table[num_hashed - 1]) or,
-# when the table happens to be long enough, skips hashing blocks and registers later blocks under a wrong parent
-# hash (a mid-sequence block becomes findable as if it were a first block). block_size=1 is unaffected (tokens == blocks).
-# Fix: seq.num_hashed = len(hits); seq.num_computed = len(hits) * block_size.
-PREFIX_HIT_BUG = pytest.mark.xfail(strict=True, reason=(
-    "scheduler.py Scheduler.schedule sets seq.num_hashed = len(hits) * block_size (tokens) where a block count is "
-    "expected: prefix-cache hits with block_size > 1 crash in BlockManager.commit_full_blocks (IndexError) or "
-    "register blocks under wrong hashes"))
-
-# BUG (blockspec/engine/scheduler.py, Scheduler.schedule, waiting loop): a waiting request takes its prefix-cache
-# hits (match_prefix increments their reference counts and they go into its block table) BEFORE the scheduler checks
-# that the rest of its chunk can be allocated; when it cannot (`break`), the request stays in the waiting queue still
-# holding those blocks. _reserve only preempts RUNNING requests, so a running request that needs those blocks
-# preempts itself every step and is re-admitted, forever (livelock; LLM.generate never returns).
-# Fix: release the hits (and reset num_computed/num_hashed) before breaking, or take them only once admitted.
-PINNED_HITS_BUG = pytest.mark.xfail(strict=True, reason=(
-    "scheduler.py Scheduler.schedule: a waiting request that cannot be admitted keeps its prefix-cache hits "
-    "referenced; a running request needing those blocks is preempted and re-admitted forever (livelock)"))
-
-# BUG (blockspec/engine/scheduler.py): a pool too small for one request (prompt + outputs + verify window) never
-# errors: the request preempts itself when it cannot grow, is re-admitted by the "nothing to wait for" branch, which
-# recomputes as much as fits, and so on forever; the RuntimeError("KV pool too small to make progress on a single
-# request") there is never reached because that branch always finds some room after the self-preemption.
-POOL_TOO_SMALL_LIVELOCK = pytest.mark.xfail(strict=True, reason=(
-    "scheduler.py: a KV pool too small for a single request livelocks (self-preemption + re-admission) instead of "
-    "raising an error"))
-
-
 # --------------------------------------------------------------------------------------------------------------
 # helpers
 
@@ -312,7 +280,7 @@ def test_batched_greedy_equals_plain(tiny, workload, with_draft, block_size, sta
     assert llm.engine.scheduler.num_preemptions == 0
 
 
-CACHE_PARAMS = [pytest.param(False, id="no-prefix-cache"), pytest.param(True, id="prefix-cache", marks=PREFIX_HIT_BUG)]
+CACHE_PARAMS = [pytest.param(False, id="no-prefix-cache"), pytest.param(True, id="prefix-cache")]
 
 
 @pytest.mark.parametrize("prefix_caching", CACHE_PARAMS)
@@ -403,7 +371,6 @@ def test_preemption_keeps_acceptance_lengths(trained, prefix_caching):
 # 3. prefix cache
 
 
-@PREFIX_HIT_BUG
 def test_prefix_cache_hit_keeps_outputs_and_acceptance(trained):
     lm, draft = trained
     prefix = cycle_seq(CYCLE_A, 3, 41)
@@ -435,7 +402,6 @@ def test_prefix_cache_hit_keeps_outputs_and_acceptance(trained):
     assert_pool_empty(plain.engine)
 
 
-@PREFIX_HIT_BUG
 def test_prefix_shared_with_a_running_request(trained):
     """b arrives while a (same long prefix) is still decoding: b maps a's committed blocks (ref count 2)."""
     lm, draft = trained
@@ -598,10 +564,10 @@ def _drive(engine, max_steps: int) -> bool:
     return not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("prefix_caching", [False, pytest.param(True, marks=PINNED_HITS_BUG)])
+@pytest.mark.parametrize("prefix_caching", [False, True])
 def test_waiting_request_with_prefix_hits_does_not_block_a_running_one(tiny, prefix_caching):
     """a (running) needs 35 of the 40 blocks; b waits with a 20-token cached prefix and a 10-token rest that does not
-    fit yet. b must simply wait for a (block_size 1: independent of PREFIX_HIT_BUG)."""
+    fit yet. b must simply wait for a."""
     lm, _ = tiny
     llm = LLM.from_loaded(lm, None, block_size=1, num_kv_blocks=40, max_num_seqs=2,
                           enable_prefix_caching=prefix_caching)
@@ -623,7 +589,6 @@ def test_waiting_request_with_prefix_hits_does_not_block_a_running_one(tiny, pre
     assert_pool_empty(e)
 
 
-@POOL_TOO_SMALL_LIVELOCK
 @pytest.mark.parametrize("prompt_len,max_tokens", [(5, 30), (30, 2)])
 def test_pool_too_small_for_one_request_is_an_error(tiny, prompt_len, max_tokens):
     lm, _ = tiny
@@ -650,16 +615,9 @@ def test_pool_exactly_large_enough_for_one_request(tiny):
     assert_equal_plain(lm, prompts, params, outs)
 
 
-# Not a correctness bug, a missed cache fill (blockspec/engine/llm_engine.py, LLMEngine._commit): full blocks are
-# registered in the prefix cache only `if not seq.finished`, so the blocks completed in a request's last step are
-# never cached. A request that finishes in its prefill step (max_tokens=1, or an early stop) leaves nothing in the
-# cache, and an identical prompt sent next misses entirely.
-@pytest.mark.xfail(strict=True, reason=(
-    "llm_engine.py LLMEngine._commit skips commit_full_blocks when the request finished in this step: a prompt "
-    "whose request ends in its prefill step is never cached"))
 def test_prompt_of_a_request_finishing_in_prefill_is_cached(tiny):
     lm, _ = tiny
-    llm = LLM.from_loaded(lm, None, block_size=1)  # block_size 1: independent of PREFIX_HIT_BUG
+    llm = LLM.from_loaded(lm, None, block_size=1)
     prompt = list(range(3, 40))
     llm.generate([prompt], greedy(1), use_tqdm=False)
     hits = llm.engine.blocks.prefix_hits

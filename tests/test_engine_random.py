@@ -30,7 +30,7 @@ from blockspec.errors import BlockspecError
 from blockspec.generate import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
-from test_engine import PINNED_HITS_BUG, PREFIX_HIT_BUG, check_block_accounting
+from test_engine import check_block_accounting
 from trained_pair import CYCLE_A, CYCLE_B, MAX_POSITIONS, VOCAB, cycle_seq, trained_pair
 
 K = 7  # the trained drafter's block size 8 - 1
@@ -106,11 +106,9 @@ def random_request(rng: random.Random, model_len: int) -> Req:
 def random_scenario(seed: int, prefix_caching: bool | None = None) -> Scenario:
     rng = random.Random(seed)
     if prefix_caching is None:
-        # TODO(after the PREFIX_HIT_BUG and PINNED_HITS_BUG fixes): the prefix cache with every block size and small
-        # pools here too (test_random_engine_runs_prefix_cache_small_pools covers that meanwhile, xfailed)
         caching = rng.random() < 0.4
-        block_size = 1 if caching else rng.choice([1, 2, 3, 4, 8, 16])
-        slack = None if caching else rng.choice([0.0, 0.0, 0.5, 1.0, 4.0])
+        block_size = rng.choice([1, 2, 3, 4, 8, 16])
+        slack = rng.choice([None, 0.0, 0.0, 0.5, 1.0, 4.0])
     else:
         caching, block_size, slack = True, rng.choice([1, 2, 3, 4, 8, 16]), rng.choice([0.0, 0.5, 1.0])
     max_model_len = rng.choice([None, None, 40, 64])
@@ -243,7 +241,6 @@ def test_random_engine_runs(pair, seed):
     run_scenario(pair, sc)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{PREFIX_HIT_BUG.kwargs['reason']}; and {PINNED_HITS_BUG.kwargs['reason']}")
 @settings(max_examples=25, **SETTINGS)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_engine_runs_prefix_cache_small_pools(pair, seed):

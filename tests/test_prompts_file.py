@@ -274,9 +274,6 @@ def test_prompt_ids_that_do_not_fit_the_model_exit_2(capsys, dirs, tmp_path, bad
     assert "vocabulary" in msg or "context" in msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "batch_cli.py run_prompts_file does not check prompt ids against the model (vocabulary, context length) per line; "
-    "the engine's error (check_prompt in LLMEngine.add_request) does not name the prompts file or line"))
 @pytest.mark.parametrize("bad", [{"prompt_ids": [1, 2, 999]}, {"prompt_ids": [3] * 300}], ids=["vocab", "too-long"])
 def test_prompt_ids_that_do_not_fit_the_model_name_file_and_line(capsys, dirs, tmp_path, bad):
     _, bare, _ = dirs

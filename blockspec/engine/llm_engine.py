@@ -67,10 +67,19 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs and not self.seqs[rid].finished:
             raise BlockspecError(f"request id {rid!r} is already in use")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        need = len(prompt_ids) + max_new + self.K + 1  # everything in KV at the end, plus the verify window
+        if need > capacity:
+            raise BlockspecError(
+                f"the request needs up to {need} KV slots (prompt {len(prompt_ids)} + max_tokens {max_new} + "
+                f"{self.K + 1} verify slots) but the KV pool holds {capacity} (num_kv_blocks x block_size); "
+                f"raise num_kv_blocks / kv_cache_tokens or lower max_tokens"
+            )
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.lm.stop_token_ids))
         seq = Sequence(
             request_id=rid, prompt_ids=list(prompt_ids), params=params, stop_ids=stops,
-            max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
+            max_new_tokens=max_new,
             speculate=speculate and self.draft is not None, generator=params.make_generator(self.pool.k.device),
             stats=SpecStats(self.K), arrival=next(self._arrivals),
         )
@@ -89,21 +98,24 @@ class LLMEngine:
 
     def _commit(self, seq: Sequence, new: list[int], num_accepted: int | None, kv_rows: int) -> None:
         seq.num_computed += kv_rows
-        emitted = 0
-        for t in new:
-            seq.output_ids.append(t)
-            emitted += 1
+        reason = None
+        for i, t in enumerate(new):
             if t in seq.stop_ids:
-                self.scheduler.finish(seq, "stop")
+                reason = "stop"
+            elif len(seq.output_ids) + i + 1 >= seq.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                new = new[: i + 1]
                 break
-            if len(seq.output_ids) >= seq.max_new_tokens:
-                self.scheduler.finish(seq, "length")
-                break
+        seq.output_ids.extend(new)
         if num_accepted is not None and seq.speculate:
-            seq.stats.record(num_accepted, emitted)
+            seq.stats.record(num_accepted, len(new))
             seq.trace.append({"position": seq.num_computed - kv_rows, "draft": seq.drafts, "num_accepted": num_accepted})
-        if not seq.finished:
-            seq.num_hashed = self.blocks.commit_full_blocks(seq.block_table, seq.tokens, seq.num_computed, seq.num_hashed)
+        # KV rows past a stop cut belong to no token: only positions that hold a token are committed
+        committed = min(seq.num_computed, len(seq.tokens))
+        seq.num_hashed = self.blocks.commit_full_blocks(seq.block_table, seq.tokens, committed, seq.num_hashed)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()

@@ -77,20 +77,16 @@ class Scheduler:
             budget -= rows
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                hits = self.blocks.match_prefix(seq.tokens, seq.prefill_len - 1)
-                seq.block_table.extend(hits)
-                seq.num_computed = seq.num_hashed = len(hits) * self.blocks.block_size
+            hits = self.blocks.match_prefix(seq.tokens, seq.prefill_len - 1)
+            seq.block_table.extend(hits)
+            seq.num_computed, seq.num_hashed = len(hits) * self.blocks.block_size, len(hits)
             rows = min(seq.prefill_len - seq.num_computed, budget)
             need = self.blocks.blocks_needed(seq.block_table, seq.num_computed + rows)
             if not self.blocks.can_allocate(need):
-                if not self.running:  # nothing to wait for: the pool is too small for even this chunk
-                    rows = max(0, (self.blocks.num_free + len(seq.block_table)) * self.blocks.block_size - seq.num_computed)
-                    rows = min(rows, budget, seq.prefill_len - seq.num_computed)
-                    if rows <= 0:
-                        raise RuntimeError("KV pool too small to make progress on a single request")
-                else:
-                    break
+                # a waiting request holds no blocks: give the hits back so running requests can use them
+                self.blocks.release(seq.block_table)
+                seq.num_computed = seq.num_hashed = 0
+                break
             self.waiting.popleft()
             self.blocks.grow(seq.block_table, seq.num_computed + rows)
             seq.status = SeqStatus.RUNNING
