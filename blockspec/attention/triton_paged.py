@@ -48,6 +48,21 @@ def _masked_scores(s, q_pos, k_pos, valid, CAUSAL: tl.constexpr, WINDOW: tl.cons
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, q_pos, k_pos, valid, m_i, l_i, acc, scale,
+                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """Fold one tile of keys/values into the running (max, sum, acc) of the online softmax."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
+    s = _masked_scores(s, q_pos, k_pos, valid, CAUSAL, WINDOW)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows so far: avoid inf - inf
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, o_ptr, pos_ptr, qstart_ptr, kvlen_ptr, bt_ptr,
     scale, bt_stride,
@@ -79,16 +94,9 @@ def _paged_attn_kernel(
             slot = page * PAGE + k_pos % PAGE
             kv_off = (slot[:, None] * HKV + kvh) * D + d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
-            s = _masked_scores(s, q_pos, k_pos, k_ok[None, :] & row_ok[:, None], CAUSAL, WINDOW)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, k_pos, k_ok[None, :] & row_ok[:, None], m_i, l_i,
+                                                 acc, scale, CAUSAL, WINDOW, PREC)
         if HAS_NEW:  # the draft block's own K/V: rows q0..q1 of k_new / v_new, at the queries' positions
             for start in range(0, q1 - q0, BLOCK_N):
                 n_rows = q0 + start + tl.arange(0, BLOCK_N)
@@ -96,16 +104,9 @@ def _paged_attn_kernel(
                 k_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
                 n_off = (n_rows[:, None] * HKV + kvh) * D + d[None, :]
                 k = tl.load(kn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
-                s = _masked_scores(s, q_pos, k_pos, n_ok[None, :] & row_ok[:, None], CAUSAL, WINDOW)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(vn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
-                m_i = m_new
+                m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, k_pos, n_ok[None, :] & row_ok[:, None], m_i,
+                                                     l_i, acc, scale, CAUSAL, WINDOW, PREC)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + (rows[:, None] * HQ + h) * D + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
