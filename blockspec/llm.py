@@ -42,23 +42,27 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _add_all(self, prompts: Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list[str]:
+    def _add_all(self, prompts: Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None,
+                 speculate: bool = True) -> list[str]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise BlockspecError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
-        return [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, sampling_params)]
+        return [self.engine.add_request(self._prompt_ids(p), sp, speculate=speculate)
+                for p, sp in zip(prompts, sampling_params)]
 
-    def stream(self, prompts: Seq[str | list[int]], sampling_params=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Seq[str | list[int]], sampling_params=None, speculate: bool = True) -> Iterator[RequestOutput]:
         """Yields RequestOutput deltas (new_token_ids) as the engine steps, until every request is finished."""
-        self._add_all(prompts, sampling_params)
+        self._add_all(prompts, sampling_params, speculate)
         while self.engine.has_unfinished():
             yield from self.engine.step()
 
-    def generate(self, prompts: Seq[str | list[int]] | str, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts: Seq[str | list[int]] | str, sampling_params=None, use_tqdm: bool = True,
+                 speculate: bool = True) -> list[RequestOutput]:
+        """speculate=False decodes these requests without drafting (plain rows), even with a drafter loaded."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        ids = self._add_all(prompts, sampling_params)
+        ids = self._add_all(prompts, sampling_params, speculate)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req") as bar:
             while self.engine.has_unfinished():

@@ -624,3 +624,14 @@ def test_prompt_of_a_request_finishing_in_prefill_is_cached(tiny):
     out = llm.generate([prompt], greedy(4, ignore_eos=True), use_tqdm=False)[0]
     assert out.token_ids == plain_ref(lm, prompt, greedy(4, ignore_eos=True))[0]
     assert llm.engine.blocks.prefix_hits - hits == len(prompt) - 1
+
+
+def test_llm_generate_speculate_off(tiny):
+    lm, draft = tiny
+    prompts = [[5, 6, 7], list(range(10, 30))]
+    params = greedy(12, ignore_eos=True)
+    llm = LLM.from_loaded(lm, draft)
+    off = llm.generate(prompts, params, use_tqdm=False, speculate=False)
+    on = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in off] == [o.token_ids for o in on]
+    assert all(o.acceptance_lengths == [] for o in off) and all(o.acceptance_lengths for o in on)
