@@ -41,9 +41,15 @@ def gather(kc, vc, table, n, page):
     return kc[slots], vc[slots]
 
 
-@pytest.mark.parametrize("page,hq,hkv,d", [(1, 4, 2, 16), (4, 4, 4, 32), (16, 6, 2, 64), (16, 8, 1, 16)])
-def test_target_causal_matches_reference(page, hq, hkv, d):
+CASES = [(1, 4, 2, 16, None), (4, 4, 4, 32, None), (16, 6, 2, 64, None), (16, 8, 1, 16, None),
+         (16, 4, 2, 32, "long")]  # long contexts: split-K with merged partials
+
+
+@pytest.mark.parametrize("page,hq,hkv,d,kind", CASES)
+def test_target_causal_matches_reference(page, hq, hkv, d, kind):
     q_lens, ctx_lens = [1, 5, 16, 23, 1], [0, 7, 30, 3, 45]  # decode, verify blocks, prefill chunks
+    if kind == "long":
+        q_lens, ctx_lens = [1, 4, 16], [700, 300, 555]
     q, kc, vc, tables, qs, positions = make_case(page * 7 + hq, page, hq, hkv, d, q_lens, ctx_lens)
     kv_lens = torch.tensor([c + n for c, n in zip(ctx_lens, q_lens)])
     out = paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), positions.to(DEV), qs.to(DEV), kv_lens.to(DEV),

@@ -21,12 +21,13 @@ class TritonTargetAttention:
         self.qs = torch.tensor(batch.query_start, dtype=torch.int32, device=dev)
         self.kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev)
         self.max_q = max(b - a for a, b in zip(batch.query_start, batch.query_start[1:]))
+        self.max_kv = max(batch.kv_lens)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         self.ops.store_kv(k, v, kc, vc, self.batch.slot_mapping)
         return self.ops.paged_attention(q, kc, vc, self.batch.positions, self.qs, self.kv_lens, self.batch.block_tables,
-                                        self.pool.block_size, scale, self.max_q, causal=True)
+                                        self.pool.block_size, scale, self.max_q, causal=True, max_kv_len=self.max_kv)
 
 
 class TritonDraftAttention(TritonTargetAttention):
@@ -34,7 +35,8 @@ class TritonDraftAttention(TritonTargetAttention):
                  causal: bool, window: int | None) -> torch.Tensor:
         return self.ops.paged_attention(q, self.pool.draft_k[layer], self.pool.draft_v[layer], self.batch.positions,
                                         self.qs, self.kv_lens, self.batch.block_tables, self.pool.block_size, scale,
-                                        self.max_q, causal=causal, window=window, k_new=k, v_new=v)
+                                        self.max_q, causal=causal, window=window, k_new=k, v_new=v,
+                                        max_kv_len=self.max_kv)
 
 
 BACKENDS: dict[str, tuple[Callable, Callable]] = {

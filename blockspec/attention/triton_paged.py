@@ -64,32 +64,40 @@ def _online_softmax_step(q, k, v, q_pos, k_pos, valid, m_i, l_i, acc, scale,
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, o_ptr, pos_ptr, qstart_ptr, kvlen_ptr, bt_ptr,
-    scale, bt_stride,
+    q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, o_ptr, m_ptr, l_ptr, pos_ptr, qstart_ptr, kvlen_ptr, bt_ptr,
+    scale, bt_stride, split_len, T,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr,
 ):
+    # Rows are (query token, head of this kv group) pairs: the group's heads share every K/V tile load (GQA).
+    # Axis 2 splits the cached keys into chunks of split_len (split-K); partial results are merged afterwards.
+    G: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    mblk = tl.program_id(2)
-    kvh = h // (HQ // HKV)
+    kvh = tl.program_id(1) % HKV
+    mblk = tl.program_id(1) // HKV
+    split = tl.program_id(2)
     q0 = tl.load(qstart_ptr + b)
     q1 = tl.load(qstart_ptr + b + 1)
-    rows = q0 + mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q1
-    if mblk * BLOCK_M < q1 - q0:
+    r = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = q0 + r // G
+    head = kvh * G + r % G
+    row_ok = tok < q1
+    if mblk * BLOCK_M < (q1 - q0) * G:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        q = tl.load(q_ptr + (rows[:, None] * HQ + h) * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        q_pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+        q_off = (tok[:, None] * HQ + head[:, None]) * D + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = tl.load(pos_ptr + tok, mask=row_ok, other=0)
         kv_len = tl.load(kvlen_ptr + b)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_len)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, kv_len, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
-            k_ok = k_pos < kv_len
+            k_ok = k_pos < hi
             page = tl.load(bt_ptr + b * bt_stride + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
             slot = page * PAGE + k_pos % PAGE
             kv_off = (slot[:, None] * HKV + kvh) * D + d[None, :]
@@ -97,19 +105,31 @@ def _paged_attn_kernel(
             v = tl.load(vc_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, k_pos, k_ok[None, :] & row_ok[:, None], m_i, l_i,
                                                  acc, scale, CAUSAL, WINDOW, PREC)
-        if HAS_NEW:  # the draft block's own K/V: rows q0..q1 of k_new / v_new, at the queries' positions
-            for start in range(0, q1 - q0, BLOCK_N):
-                n_rows = q0 + start + tl.arange(0, BLOCK_N)
-                n_ok = n_rows < q1
-                k_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
-                n_off = (n_rows[:, None] * HKV + kvh) * D + d[None, :]
-                k = tl.load(kn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(vn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, k_pos, n_ok[None, :] & row_ok[:, None], m_i,
-                                                     l_i, acc, scale, CAUSAL, WINDOW, PREC)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + (rows[:, None] * HQ + h) * D + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        if HAS_NEW:  # the draft block's own K/V (rows q0..q1 of k_new / v_new), folded in by split 0 only
+            if split == 0:
+                for start in range(0, q1 - q0, BLOCK_N):
+                    n_rows = q0 + start + tl.arange(0, BLOCK_N)
+                    n_ok = n_rows < q1
+                    k_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
+                    n_off = (n_rows[:, None] * HKV + kvh) * D + d[None, :]
+                    k = tl.load(kn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    v = tl.load(vn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, k_pos, n_ok[None, :] & row_ok[:, None],
+                                                         m_i, l_i, acc, scale, CAUSAL, WINDOW, PREC)
+        # unnormalized partials: out = acc / l after merging splits
+        ml_off = (split * T + tok) * HQ + head
+        tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+        o_off = ((split * T + tok[:, None]) * HQ + head[:, None]) * D + d[None, :]
+        tl.store(o_ptr + o_off, acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _num_splits(B: int, programs_per_seq: int, max_kv_len: int, block_n: int) -> int:
+    """Enough programs to fill the GPU (about 2 waves of 132 SMs) without chunks shorter than 4 key tiles."""
+    if max_kv_len <= 4 * block_n:
+        return 1
+    want = -(-264 // max(1, B * programs_per_seq))
+    return max(1, min(want, max_kv_len // (4 * block_n), 64))
 
 
 def paged_attention(
@@ -127,22 +147,38 @@ def paged_attention(
     window: int | None = None,
     k_new: torch.Tensor | None = None,  # [T, Hkv, D] the draft block's own keys (not in the cache)
     v_new: torch.Tensor | None = None,
+    max_kv_len: int | None = None,  # host bound on kv_lens; None: pages in the block table
 ) -> torch.Tensor:
     T, HQ, D = q.shape
     HKV = k_cache.shape[1]
     B = kv_lens.shape[0]
-    out = torch.empty_like(q)
     if T == 0:
-        return out
-    block_m = 16
-    grid = (B, HQ, triton.cdiv(max_q_len, block_m))
+        return torch.empty_like(q)
+    G = HQ // HKV
+    rows = max_q_len * G
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 64 if D <= 64 else 32
+    m_blocks = triton.cdiv(rows, block_m)
+    bound = max_kv_len if max_kv_len is not None else block_tables.shape[1] * page_size
+    splits = _num_splits(B, HKV * m_blocks, bound, block_n)
+    split_len = triton.cdiv(triton.cdiv(bound, splits), block_n) * block_n
+    acc = torch.empty(splits, T, HQ, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(splits, T, HQ, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
     has_new = k_new is not None
-    _paged_attn_kernel[grid](
+    _paged_attn_kernel[(B, HKV * m_blocks, splits)](
         q.contiguous(), k_cache, v_cache, k_new.contiguous() if has_new else q, v_new.contiguous() if has_new else q,
-        out, positions, query_start, kv_lens, block_tables, scale, block_tables.stride(0),
-        HQ=HQ, HKV=HKV, D=D, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32 if D <= 128 else 16,
+        acc, m, l, positions, query_start, kv_lens, block_tables, scale, block_tables.stride(0), split_len, T,
+        HQ=HQ, HKV=HKV, D=D, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, WINDOW=window or 0, HAS_NEW=has_new,
         # fp32 runs are the exactness oracle: no TF32 rounding in their dot products
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    return out
+    if splits == 1:
+        return (acc[0] / torch.where(l[0] == 0, 1.0, l[0])[..., None]).to(q.dtype)
+    # merge split-K partials: weights exp(m_s - max_s m), empty splits have m = -inf and contribute nothing
+    m_max = m.max(dim=0).values
+    w = torch.exp(m - torch.where(m_max == float("-inf"), 0.0, m_max)[None])
+    den = (w * l).sum(0)
+    out = (w[..., None] * acc).sum(0) / torch.where(den == 0, 1.0, den)[..., None]
+    return out.to(q.dtype)
