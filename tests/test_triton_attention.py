@@ -112,3 +112,20 @@ def test_engine_with_triton_backend_equals_reference(tmp_path):
         llm = LLM.from_loaded(lm, dr, block_size=4, max_num_batched_tokens=16, attention_backend=backend)
         outs[backend] = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rmsnorm_matches_torch(dtype):
+    from blockspec.layers.norm import RMSNorm
+    from blockspec.layers.triton_norm import rmsnorm
+
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, 3, 96).to(dtype)
+    ref = norm(x)  # CPU: the torch path
+    out = rmsnorm(x.to(DEV), norm.weight.to(DEV), 1e-6).cpu()
+    # fp32: reduction order only; bf16: at most one rounding step (2^-7 relative) from a differently rounded rstd
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert out.dtype == dtype
+    assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
