@@ -125,7 +125,7 @@ def test_triton_rmsnorm_matches_torch(dtype):
     x = torch.randn(5, 3, 96).to(dtype)
     ref = norm(x)  # CPU: the torch path
     out = rmsnorm(x.to(DEV), norm.weight.to(DEV), 1e-6).cpu()
-    # fp32: reduction order only; bf16: at most one rounding step (2^-7 relative) from a differently rounded rstd
-    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    # fp32: reduction order only; bf16: a differently rounded rstd can move the two bf16 roundings by an ulp each
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
     assert out.dtype == dtype
     assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
