@@ -129,3 +129,22 @@ def test_triton_rmsnorm_matches_torch(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     assert out.dtype == dtype
     assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rotary_matches_torch(dtype):
+    from blockspec.layers.rotary import RotaryEmbedding, rotate_half
+    from blockspec.layers.triton_rotary import rotary_
+
+    rope = RotaryEmbedding(32, 10000.0, None, 512)
+    pos = torch.tensor([0, 5, 17, 300, 511])
+    cos, sin = rope.cos_sin(pos, dtype)
+    x = torch.randn(5, 3, 32).to(dtype)
+    ref = x * cos + rotate_half(x) * sin
+    out = rotary_(x.clone().to(DEV), cos.to(DEV), sin.to(DEV)).cpu()
+    if dtype == torch.float32:
+        assert (out - ref).abs().max().item() <= 1e-6
+    elif DEV == "cuda":
+        assert torch.equal(out, ref)  # same roundings, round-to-nearest
+    else:  # Triton's interpreter truncates on fp32 -> bf16 casts: allow those ulps
+        assert ((out.float() - ref.float()).abs() <= 2**-6 * ref.float().abs().clamp_min(1.0)).all()

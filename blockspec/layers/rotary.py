@@ -95,4 +95,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]."""
+    if x.is_cuda and not torch.is_grad_enabled():
+        from blockspec.layers.triton_rotary import rotary_
+
+        return rotary_(x.contiguous(), cos, sin)  # contiguous() copies views, so the caller's tensor is untouched
     return x * cos + rotate_half(x) * sin
