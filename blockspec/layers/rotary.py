@@ -49,8 +49,8 @@ def _yarn(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch
     lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     extrap = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
     return inv, float(attn_factor)
@@ -60,7 +60,7 @@ def compute_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2], attention scaling applied to cos/sin)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv, 1.0
     kind = scaling["rope_type"]
@@ -81,12 +81,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = compute_inv_freq(head_dim, theta, scaling, max_pos)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain fp32 attribute, not a buffer: meta-device construction, to_empty() and .to(bf16) leave it intact.
+        self.inv_freq, self.attention_scaling = compute_inv_freq(head_dim, theta, scaling, max_pos)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)

@@ -8,7 +8,6 @@ import torch
 
 from blockspec.config import ResolvedSpec, SpeculativeConfig, resolve_spec
 from blockspec.errors import ModelLoadError
-from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.loading.loader import LoadedModel
 from blockspec.loading.source import resolve_source
 from blockspec.loading.weights import load_weights
@@ -36,8 +35,5 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     with torch.device("meta"):
         model = DFlashDraftModel(cfg, num_taps=len(resolved.target_layer_ids))
     model = model.to_empty(device=param.device).to(param.dtype)
-    model.rotary.inv_freq = RotaryEmbedding(
-        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
-    ).inv_freq.to(param.device)
     load_weights(model, source.tensors(), where, prefix="")
     return LoadedDraft(model.eval(), cfg, resolved)

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from blockspec.errors import BlockspecError
-from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.loading.source import ModelSource, resolve_source
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.loading.weights import load_weights
@@ -61,9 +60,6 @@ def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
     with torch.device("meta"):
         model = build_model(cfg)
     model = model.to_empty(device=device).to(dtype)
-    for m in model.modules():  # non-persistent buffers do not survive to_empty: recompute them
-        if isinstance(m, RotaryEmbedding):
-            m.inv_freq = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).inv_freq.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model
