@@ -199,15 +199,31 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "init-draft": ("write a randomly initialized DFlash drafter for a target", add_init_draft_args, cmd_init_draft),
 }
 
+# Subcommands that live in their own modules: name -> (help, module). The module defines `add_args(parser)` and
+# `run(args) -> int`, and imports its heavy dependencies inside run() so that `blockspec --help` stays fast.
+MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+}
+
+
+def _module_command(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    import importlib
+
+    mod = importlib.import_module(module)
+    return mod.add_args, mod.run
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text))
+    commands = {name: (add, run) for name, (_, add, run) in COMMANDS.items()}
+    helps = {name: h for name, (h, *_) in COMMANDS.items()}
+    for name, (help_text, module) in MODULE_COMMANDS.items():
+        commands[name], helps[name] = _module_command(module), help_text
+    for name, (add_args, _) in commands.items():
+        add_args(sub.add_parser(name, help=helps[name]))
     args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.command][2](args)
+        return commands[args.command][1](args)
     except BlockspecError as e:
         print(f"blockspec: error: {e}", file=sys.stderr)
         return 2
