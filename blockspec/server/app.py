@@ -1,0 +1,122 @@
+"""The FastAPI application: routes, OpenAI-style errors, optional API key, response counting, engine lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.server.engine_loop import EngineLoop
+from blockspec.server.metrics import Metrics
+from blockspec.server.prepare import ModelLimits, prepare_chat, prepare_completion
+from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, APIError, parse_body
+from blockspec.server.runner import ServingState, run_request
+
+log = logging.getLogger("blockspec.server")
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class _Guard:
+    """Outermost ASGI layer: checks the API key (401 for anything without it) and counts every response."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None) -> None:
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+        self.state: ServingState | None = None
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.api_key is None:
+            return True
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_http(path, message["status"])
+            await send(message)
+
+        if not self._authorized(scope):
+            err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+            return await _error_response(err)(scope, receive, counting_send)
+        await self.app(scope, receive, counting_send)
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> ASGIApp:
+    """An ASGI app serving `engine` under `model_name`; the engine thread runs for the app's lifespan.
+    Its `.state` is the ServingState (engine loop, limits, metrics)."""
+    tok = engine.lm.tokenizer
+    limits = ModelLimits(model_name, tok, engine.lm.config.vocab_size, engine.max_model_len,
+                         engine.pool.num_blocks * engine.pool.block_size, engine.K + 1)
+    metrics = Metrics(engine.K, engine.pool.num_blocks)
+    state = ServingState(EngineLoop(engine, metrics), limits, metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.engine_loop.start(asyncio.get_running_loop())
+        yield
+        state.engine_loop.join()
+
+    app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(err.status_code, str(err.detail), type_=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.error("unhandled error on %s", request.url.path, exc_info=err)
+        metrics.count_error("request")
+        return _error_response(APIError(500, "internal error; the server log has the traceback",
+                                        type_="internal_error"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "shutting_down" if state.engine_loop.closing else "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "blockspec", "max_model_len": limits.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(await request.body(), CompletionRequest)
+        return await run_request(state, prepare_completion(req, limits), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        return await run_request(state, prepare_chat(req, limits), request, chat=True)
+
+    # outermost, so that the key is checked before anything else and every response is counted, 500s included
+    guard = _Guard(app, metrics, api_key)
+    guard.state = state
+    return guard

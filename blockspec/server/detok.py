@@ -1,0 +1,68 @@
+"""One choice's text as its tokens arrive: incremental detokenization and stop strings (OpenAI semantics: the text
+before the first stop string is returned, the stop string itself is not)."""
+
+from __future__ import annotations
+
+from blockspec.loading.tokenizer import Tokenizer
+
+
+class IncrementalDecoder:
+    """Decodes a growing token list in a sliding window instead of from the start every time.
+
+    Decoding the window [prefix, end) and subtracting the decoded [prefix, read) keeps the spacing a tokenizer gives
+    a token from its left neighbours, and text is released only once it does not end in a partial UTF-8 character
+    (decoded as U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: tokens before it are settled text
+        self.read = 0  # tokens whose text has been released
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        now = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before):]
+
+
+class ChoiceText:
+    """Text of one choice. push() returns text that is final: neither part of a stop string nor held back because
+    it could be the start of one."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1  # chars that may be a stop string's beginning
+        self.text = ""  # everything decoded so far, cut at a stop string once one is found
+        self.sent = 0  # chars of self.text already returned
+        self.token_ids: list[int] = []  # tokens consumed, up to the one that completed a stop string
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        for t in ids:
+            self.token_ids.append(t)
+            if self.decoder is None:
+                continue
+            start = max(0, len(self.text) - self.hold)  # a stop string may straddle the old end
+            self.text += self.decoder.push([t])
+            cut = min((k for k in (self.text.find(s, start) for s in self.stop) if k >= 0), default=-1)
+            if cut >= 0:
+                self.text, self.stopped = self.text[:cut], True
+                return self._release(len(self.text))
+        return self._release(len(self.text) - self.hold)
+
+    def finish(self) -> str:
+        """The held-back rest, once no token will follow."""
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:upto], upto
+        return out

@@ -1,0 +1,55 @@
+"""Model and engine flags shared by `blockspec serve` and `blockspec chat`, and the LLM they build."""
+
+from __future__ import annotations
+
+import argparse
+
+# flag -> EngineConfig field; only flags given on the command line are passed, so EngineConfig keeps the defaults
+_ENGINE_FLAGS = {
+    "max_num_seqs": (int, "most requests running at once"),
+    "max_num_batched_tokens": (int, "rows per target forward: prefill chunk tokens + verify rows"),
+    "block_size": (int, "tokens per KV page"),
+    "num_kv_blocks": (int, "KV pool size in blocks (default: from --kv-cache-tokens)"),
+    "kv_cache_tokens": (int, "KV pool size in tokens when --num-kv-blocks is not given"),
+    "max_model_len": (int, "context length (default: the model's max_position_embeddings)"),
+    "attention_backend": (str, "torch | triton | auto (triton on CUDA)"),
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument("--model", default=None,
+                   help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="DFlash draft checkpoint (directory or hub id): speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
+    p.add_argument("--probabilistic-drafting", action="store_true", help="sample drafts and use p/q rejection")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    for name, (kind, help_text) in _ENGINE_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+
+
+def model_source(args: argparse.Namespace) -> str | None:
+    from blockspec.errors import BlockspecError
+
+    if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
+        raise BlockspecError(f"two models given: {args.model_pos!r} and --model {args.model!r}; pass one")
+    return args.model if args.model is not None else args.model_pos
+
+
+def build_llm(args: argparse.Namespace):
+    """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags."""
+    from blockspec.errors import BlockspecError
+    from blockspec.llm import LLM
+
+    spec = None
+    if args.draft is not None:
+        spec = {"draft_model": args.draft, "num_draft_tokens": args.num_draft_tokens,
+                "probabilistic_drafting": args.probabilistic_drafting}
+    elif args.num_draft_tokens is not None or args.probabilistic_drafting:
+        raise BlockspecError("--num-draft-tokens and --probabilistic-drafting need --draft")
+    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.no_prefix_caching:
+        engine["enable_prefix_caching"] = False
+    return LLM(model_source(args), speculative_config=spec, device=args.device, dtype=args.dtype, **engine)

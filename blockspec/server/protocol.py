@@ -1,0 +1,107 @@
+"""OpenAI request bodies (strict types, unknown fields rejected) and the OpenAI-style error.
+
+Fields whose JSON type is a union in OpenAI's API (`prompt`, `stop`, message `content`) are taken as raw JSON here
+and checked by hand in prepare.py, so that their errors read as one sentence about the field instead of one pydantic
+error per union member."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_N = 128  # choices per request, as OpenAI
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+
+
+class APIError(Exception):
+    """An error answered to one request, with OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def internal_error(request_id: str) -> APIError:
+    return APIError(500, f"internal error while serving request {request_id}; the server log has the traceback",
+                    type_="internal_error")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    max_tokens: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Any = None  # str | list[str]
+    temperature: float = 1.0  # OpenAI's default; 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # extension (0 or -1: off)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[int] | None = None  # extension: stop on these ids too (models without a tokenizer)
+    user: str | None = None  # accepted and ignored
+    # Accepted at their neutral values only (checked in prepare.unsupported_fields).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any  # str | list of {"type": "text", "text": str}
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Request bytes -> a validated request model, or APIError(400) naming the field."""
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        data = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [str(p) for p in err["loc"]]
+        field = ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unsupported request field {field!r}", param=field) from None
+        if err["type"] == "missing":
+            raise APIError(400, f"missing required field {field!r}", param=field) from None
+        shown = json.dumps(err.get("input"))[:80]
+        raise APIError(400, f"invalid value for {field!r}: {err['msg']} (got {shown})", param=field) from None
