@@ -52,7 +52,7 @@ def generate_stream(lm: LoadedModel, prompt_ids: list[int], params: SamplingPara
         cfg.num_hidden_layers, len(prompt_ids) + max_new, cfg.num_key_value_heads, cfg.head_dim,
         next(lm.model.parameters()).dtype, device,
     )
-    gen = params.make_generator(device)
+    seed = params.resolve_seed()
     stops = stop_set(lm, params)
     ids = torch.tensor(prompt_ids, device=device)
     positions = torch.arange(len(prompt_ids), device=device)
@@ -60,7 +60,7 @@ def generate_stream(lm: LoadedModel, prompt_ids: list[int], params: SamplingPara
     for i in range(max_new):
         attn = DenseCausalAttention(cache, positions, int(positions[-1]) + 1)
         out = lm.model(ids, positions, attn, logit_rows=last if i == 0 else None)
-        token = int(sample(out.logits, params, gen)[0])
+        token = int(sample(out.logits, params, seed, torch.tensor([len(prompt_ids) + i], device=device))[0])
         yield token
         if token in stops:
             return

@@ -1,14 +1,17 @@
 """SamplingParams and the token sampler (temperature, top_k, top_p; greedy at temperature 0).
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p, needs no host
-sync and lets the noise come from a per-request torch.Generator, so a seeded request is reproducible."""
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p and needs no host
+sync. The noise E is a counter-based hash of (request seed, token position) (blockspec.rng), so a seeded request is
+reproducible in any batch, on any path, inside a CUDA graph."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
 
+from blockspec import rng
 from blockspec.errors import ConfigError
 
 
@@ -34,48 +37,90 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", self.seed, "must be a non-negative integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise bad("seed", self.seed, "must be an integer in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self, device: torch.device) -> torch.Generator | None:
-        if self.greedy:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        return g
+    def resolve_seed(self) -> int:
+        """The seed of this request's noise (blockspec.rng): the given one, else a fresh random one."""
+        return self.seed if self.seed is not None else secrets.randbits(62)
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters of a batch of logit rows, on device. `use_*` are host flags: a filter that no
+    row uses is skipped (and rows that do not use it are left bit-identical to a batch without it)."""
+
+    temperature: torch.Tensor  # [N] fp32, 0 = greedy
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    top_p: torch.Tensor  # [N] fp32, 1 = off
+    seeds: torch.Tensor  # [N] int64
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device, vocab_size: int) -> "SamplingRows":
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        return cls(
+            torch.tensor([float(p.temperature) for p in params], dtype=torch.float32, device=device),
+            torch.tensor(top_k, dtype=torch.int64, device=device),
+            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
+            torch.tensor(seeds, dtype=torch.int64, device=device),
+            all(p.greedy for p in params), any(k > 0 for k in top_k), any(p.top_p < 1.0 for p in params),
+        )
+
+    def repeat(self, n: int) -> "SamplingRows":
+        """Each row n times (the K+1 verify rows of one request share its parameters)."""
+        r = lambda t: t.repeat_interleave(n)  # noqa: E731
+        return SamplingRows(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seeds), self.all_greedy,
+                            self.use_top_k, self.use_top_p)
+
+
+def processed_probs_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """logits [N, V] -> the distribution actually sampled from, [N, V] fp32 (temperature, then top_k, then top_p)."""
-    logits = logits.float() / max(temperature, 1e-5)
-    V = logits.shape[-1]
-    if 0 < top_k < V:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
+    x = logits.float() / rows.temperature.clamp_min(1e-5)[:, None]
+    if rows.use_top_k:
+        sorted_x = x.sort(dim=-1, descending=True).values
+        kth = sorted_x.gather(1, (rows.top_k - 1).clamp_min(0)[:, None])
+        x = x.masked_fill((rows.top_k > 0)[:, None] & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if rows.use_top_p:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p[:, None]
+        kept = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = torch.where((rows.top_p < 1.0)[:, None], kept, probs)
     return probs
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs [N, V] -> token ids [N] by the exponential race."""
-    # clamp: a zero draw would turn 0/0 into NaN, which argmax ranks first
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
-    return (probs / noise).argmax(dim=-1)
+def processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Scalar-parameter form of processed_probs_rows (same arithmetic)."""
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    return processed_probs_rows(logits, SamplingRows.build([p] * logits.shape[0], [0] * logits.shape[0],
+                                                           logits.device, logits.shape[-1]))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [N, V] -> token ids [N]."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    return sample_from(processed_probs(logits, params.temperature, params.top_k, params.top_p), generator)
+def race(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax of p / E with E ~ Exp(1) draws exactly from p. [N, V] -> [N]."""
+    return (probs / exp_noise).argmax(dim=-1)
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]: argmax for greedy rows, else a draw with the noise of (seed, position) where
+    `positions` [N] are the positions of the tokens being sampled."""
+    greedy = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        return greedy
+    noise = rng.exponential(rows.seeds, positions, rng.STREAM_TARGET, logits.shape[-1])
+    return torch.where(rows.temperature == 0, greedy, race(processed_probs_rows(logits, rows), noise))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """One request's rows: logits [N, V] for the tokens at `positions` [N] -> token ids [N]."""
+    n = logits.shape[0]
+    return sample_rows(logits, SamplingRows.build([params] * n, [seed] * n, logits.device, logits.shape[-1]), positions)

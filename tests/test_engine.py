@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from blockspec.config import SpeculativeConfig
+from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.sequence import SeqStatus
 from blockspec.errors import BlockspecError
 from blockspec.generate import generate
@@ -459,7 +460,7 @@ def _engine_tensor_bytes(engine) -> int:
     seen, total, stack = set(), 0, [v for k, v in vars(engine).items() if k not in ("lm", "draft")]
     while stack:
         x = stack.pop()
-        if id(x) in seen or x is None or isinstance(x, (int, float, str, bool, torch.nn.Module)):
+        if id(x) in seen or x is None or isinstance(x, (int, float, str, bool, torch.nn.Module, DecodeStep)):
             continue
         seen.add(id(x))
         if isinstance(x, torch.Tensor):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from blockspec.errors import BlockspecError, ConfigError
-from blockspec.sampling import SamplingParams, processed_probs, sample, sample_from
+from blockspec import rng
+from blockspec.sampling import SamplingParams, SamplingRows, processed_probs, race, sample, sample_rows
 
 # --------------------------------------------------------------------------------------------------------------
 # SamplingParams validation
@@ -73,14 +74,12 @@ def test_valid_sampling_values_accepted(kwargs):
         assert getattr(p, k) == v
 
 
-def test_greedy_flag_and_generator():
+def test_greedy_flag_and_seed():
     assert SamplingParams().greedy
-    assert SamplingParams(temperature=0.0).make_generator(torch.device("cpu")) is None
     p = SamplingParams(temperature=1.0, seed=7)
     assert not p.greedy
-    a = torch.rand(8, generator=p.make_generator(torch.device("cpu")))
-    b = torch.rand(8, generator=p.make_generator(torch.device("cpu")))
-    assert torch.equal(a, b)  # a seeded request gets the same noise every time
+    assert p.resolve_seed() == 7
+    assert SamplingParams().resolve_seed() != SamplingParams().resolve_seed()  # unseeded: fresh 62-bit seeds
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -198,17 +197,20 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts.double() - expected) ** 2 / expected).sum())
 
 
-def _draw(probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = sample_from(probs.unsqueeze(0).expand(n, -1).contiguous(), g)
+def _draw(probs: torch.Tensor, n: int, seed: int, vary: str = "position") -> torch.Tensor:
+    """n draws from probs: one request sampling n positions, or (vary="seed") n requests at one position."""
+    idx = torch.arange(n)
+    seeds, pos = (torch.full((n,), seed), idx) if vary == "position" else (idx * 7919 + seed, torch.full((n,), 5))
+    noise = rng.exponential(seeds, pos, rng.STREAM_TARGET, probs.numel())
+    ids = race(probs.unsqueeze(0).expand(n, -1), noise)
     assert ids.shape == (n,)
     return torch.bincount(ids, minlength=probs.numel())
 
 
-@pytest.mark.parametrize("seed", [0, 1, 12345])
-def test_sample_from_matches_distribution_chi_square(seed):
+@pytest.mark.parametrize("seed,vary", [(0, "position"), (1, "position"), (12345, "position"), (3, "seed")])
+def test_sample_from_matches_distribution_chi_square(seed, vary):
     probs = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])
-    counts = _draw(probs, 20_000, seed)
+    counts = _draw(probs, 20_000, seed, vary)
     assert int(counts.sum()) == 20_000
     stat = _chi_square(counts, probs)
     assert stat < CHI2_CRIT_DF5_ALPHA_1E4, (stat, counts.tolist())
@@ -236,22 +238,51 @@ def test_sample_from_processed_distribution_chi_square():
     assert stat < {2: 18.43, 3: 21.11, 4: 23.52, 5: 25.74, 6: 27.86}[df], (stat, counts.tolist())
 
 
-def test_sample_from_rows_independent_and_seeded():
-    probs = torch.softmax(_logits(n=64, v=32, seed=5), -1)
-    a = sample_from(probs, torch.Generator().manual_seed(3))
-    b = sample_from(probs, torch.Generator().manual_seed(3))
-    c = sample_from(probs, torch.Generator().manual_seed(4))
+def test_sample_rows_seeded_and_batch_invariant():
+    logits = _logits(n=64, v=32, seed=5)
+    pos = torch.arange(64) + 10
+    p = SamplingParams(temperature=1.0)
+    a, b, c = (sample(logits, p, s, pos) for s in (3, 3, 4))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     assert a.shape == (64,) and a.dtype == torch.long
+    # a row's sample depends only on (its logits, seed, position): not on the other rows of the batch
+    mixed = [SamplingParams(temperature=t, top_k=k, top_p=q) for t, k, q in [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 5, 0.9)]]
+    rows = SamplingRows.build(mixed * 2, [3, 3, 3, 9, 9, 9], torch.device("cpu"), 32)
+    together = sample_rows(logits[:6], rows, pos[:6])
+    for i in range(6):
+        alone = sample(logits[i:i + 1], mixed[i % 3], [3, 9][i // 3], pos[i:i + 1])
+        assert int(together[i]) == int(alone[0]), i
 
 
 def test_sample_one_hot_and_greedy():
     logits = _logits(n=8, v=20, seed=6)
-    assert torch.equal(sample(logits, SamplingParams(), None), logits.argmax(-1))
-    g = torch.Generator().manual_seed(0)
-    assert torch.equal(sample(logits, SamplingParams(temperature=1.0, top_k=1), g), logits.argmax(-1))
-    assert torch.equal(sample(logits, SamplingParams(temperature=3.0, top_p=1e-6), g), logits.argmax(-1))
+    pos = torch.arange(8)
+    assert torch.equal(sample(logits, SamplingParams(), 0, pos), logits.argmax(-1))
+    assert torch.equal(sample(logits, SamplingParams(temperature=1.0, top_k=1), 0, pos), logits.argmax(-1))
+    assert torch.equal(sample(logits, SamplingParams(temperature=3.0, top_p=1e-6), 0, pos), logits.argmax(-1))
+
+
+def test_counter_noise_uniform_moments_and_decorrelation():
+    # 200 positions x 4096 columns of uniforms: mean 1/2, variance 1/12, no correlation between neighbouring
+    # columns, neighbouring positions, streams or seeds (tolerances ~6 standard errors: deterministic, not flaky).
+    u = rng.uniform(torch.full((200,), 11), torch.arange(200), rng.STREAM_TARGET, 4096).double()
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 6 * (1 / 12) ** 0.5 / (u.numel() ** 0.5)
+    assert abs(float(u.var()) - 1 / 12) < 1e-3
+
+    def corr(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.flatten() - a.mean(), b.flatten() - b.mean()
+        return float((a * b).sum() / (a.norm() * b.norm()))
+
+    bound = 6 / (u[:, 1:].numel() ** 0.5)
+    assert abs(corr(u[:, 1:], u[:, :-1])) < bound
+    assert abs(corr(u[1:], u[:-1])) < bound
+    other_stream = rng.uniform(torch.full((200,), 11), torch.arange(200), rng.STREAM_DRAFT, 4096).double()
+    other_seed = rng.uniform(torch.full((200,), 12), torch.arange(200), rng.STREAM_TARGET, 4096).double()
+    assert abs(corr(u, other_stream)) < bound and abs(corr(u, other_seed)) < bound
+    high_bits = rng.uniform(torch.full((200,), 11 + (1 << 40)), torch.arange(200), rng.STREAM_TARGET, 4096).double()
+    assert abs(corr(u, high_bits)) < bound  # the seed's upper 32 bits matter too
 
 
 # --------------------------------------------------------------------------------------------------------------

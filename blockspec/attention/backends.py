@@ -1,15 +1,20 @@
 """Attention backends over the paged pool, chosen by name: "torch" (reference, any device) or "triton" (GPU
-kernels; on CPU only under TRITON_INTERPRET=1, for tests)."""
+kernels; on CPU only under TRITON_INTERPRET=1, for tests). A backend is a target attention, a draft attention and
+a KV store, each built over one PagedBatch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from blockspec.attention import paged_ref
 from blockspec.attention.paged_ref import PagedBatch, PagedDraftAttention, PagedTargetAttention
 from blockspec.errors import ConfigError
 from blockspec.kv.pool import KVPool
+
+StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class TritonTargetAttention:
@@ -17,35 +22,47 @@ class TritonTargetAttention:
         from blockspec.attention import triton_paged
 
         self.ops, self.pool, self.batch = triton_paged, pool, batch
-        dev = batch.positions.device
-        self.qs = torch.tensor(batch.query_start, dtype=torch.int32, device=dev)
-        self.kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev)
-        self.max_q = max(b - a for a, b in zip(batch.query_start, batch.query_start[1:]))
-        self.max_kv = max(batch.kv_lens)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        self.ops.store_kv(k, v, kc, vc, self.batch.slot_mapping)
-        return self.ops.paged_attention(q, kc, vc, self.batch.positions, self.qs, self.kv_lens, self.batch.block_tables,
-                                        self.pool.block_size, scale, self.max_q, causal=True, max_kv_len=self.max_kv)
+        b = self.batch
+        self.ops.store_kv(k, v, kc, vc, b.slot_mapping)
+        return self.ops.paged_attention(q, kc, vc, b.positions, b.query_start, b.kv_lens, b.block_tables,
+                                        self.pool.block_size, scale, b.max_q_len, causal=True, max_kv_len=b.max_kv_len)
 
 
 class TritonDraftAttention(TritonTargetAttention):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # type: ignore[override]
                  causal: bool, window: int | None) -> torch.Tensor:
-        return self.ops.paged_attention(q, self.pool.draft_k[layer], self.pool.draft_v[layer], self.batch.positions,
-                                        self.qs, self.kv_lens, self.batch.block_tables, self.pool.block_size, scale,
-                                        self.max_q, causal=causal, window=window, k_new=k, v_new=v,
-                                        max_kv_len=self.max_kv)
+        b = self.batch
+        return self.ops.paged_attention(q, self.pool.draft_k[layer], self.pool.draft_v[layer], b.positions,
+                                        b.query_start, b.kv_lens, b.block_tables, self.pool.block_size, scale,
+                                        b.max_q_len, causal=causal, window=window, k_new=k, v_new=v,
+                                        max_kv_len=b.max_kv_len)
 
 
-BACKENDS: dict[str, tuple[Callable, Callable]] = {
-    "torch": (PagedTargetAttention, PagedDraftAttention),
-    "triton": (TritonTargetAttention, TritonDraftAttention),
+def _triton_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    from blockspec.attention.triton_paged import store_kv
+
+    store_kv(k, v, k_cache, v_cache, slots)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    target: Callable[[KVPool, PagedBatch], object]  # -> AttentionFn
+    draft: Callable[[KVPool, PagedBatch], object]  # -> DraftAttentionFn
+    store: StoreFn  # (k_cache, v_cache, k, v, slots): write rows, slot -1 skipped
+    capturable: bool  # no host sync inside: usable in a CUDA graph
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "torch": AttentionBackend(PagedTargetAttention, PagedDraftAttention, paged_ref.store, capturable=False),
+    "triton": AttentionBackend(TritonTargetAttention, TritonDraftAttention, _triton_store, capturable=True),
 }
 
 
-def get_backend(name: str, device: torch.device) -> tuple[Callable, Callable]:
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:

@@ -65,13 +65,14 @@ def _online_softmax_step(q, k, v, q_pos, k_pos, valid, m_i, l_i, acc, scale,
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, o_ptr, m_ptr, l_ptr, pos_ptr, qstart_ptr, kvlen_ptr, bt_ptr,
-    scale, bt_stride, split_len, T,
+    scale, bt_stride, num_splits, T,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr,
 ):
     # Rows are (query token, head of this kv group) pairs: the group's heads share every K/V tile load (GQA).
-    # Axis 2 splits the cached keys into chunks of split_len (split-K); partial results are merged afterwards.
+    # Axis 2 splits each sequence's cached keys into num_splits equal chunks (split-K); partials are merged
+    # afterwards. Chunk bounds come from kv_len at run time, so one grid serves every context length (CUDA graphs).
     G: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
     kvh = tl.program_id(1) % HKV
@@ -90,6 +91,7 @@ def _paged_attn_kernel(
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         q_pos = tl.load(pos_ptr + tok, mask=row_ok, other=0)
         kv_len = tl.load(kvlen_ptr + b)
+        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_len)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -125,11 +127,12 @@ def _paged_attn_kernel(
 
 
 def _num_splits(B: int, programs_per_seq: int, max_kv_len: int, block_n: int) -> int:
-    """Enough programs to fill the GPU (about 2 waves of 132 SMs) without chunks shorter than 4 key tiles."""
+    """About two waves of programs on 132 SMs, without chunks shorter than 4 key tiles at the bound; at most 16
+    splits, because every split adds a partial [T, Hq, D] fp32 result to write and merge."""
     if max_kv_len <= 4 * block_n:
         return 1
     want = -(-264 // max(1, B * programs_per_seq))
-    return max(1, min(want, max_kv_len // (4 * block_n), 64))
+    return max(1, min(want, max_kv_len // (4 * block_n), 16))
 
 
 def paged_attention(
@@ -161,14 +164,13 @@ def paged_attention(
     m_blocks = triton.cdiv(rows, block_m)
     bound = max_kv_len if max_kv_len is not None else block_tables.shape[1] * page_size
     splits = _num_splits(B, HKV * m_blocks, bound, block_n)
-    split_len = triton.cdiv(triton.cdiv(bound, splits), block_n) * block_n
     acc = torch.empty(splits, T, HQ, D, dtype=torch.float32, device=q.device)
     m = torch.empty(splits, T, HQ, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     has_new = k_new is not None
     _paged_attn_kernel[(B, HKV * m_blocks, splits)](
         q.contiguous(), k_cache, v_cache, k_new.contiguous() if has_new else q, v_new.contiguous() if has_new else q,
-        acc, m, l, positions, query_start, kv_lens, block_tables, scale, block_tables.stride(0), split_len, T,
+        acc, m, l, positions, query_start, kv_lens, block_tables, scale, block_tables.stride(0), splits, T,
         HQ=HQ, HKV=HKV, D=D, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, WINDOW=window or 0, HAS_NEW=has_new,
         # fp32 runs are the exactness oracle: no TF32 rounding in their dot products

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import torch
 
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import ModelRunner
@@ -54,7 +53,8 @@ class LLMEngine:
         self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend)
+        self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend,
+                                  config.enforce_eager, config.max_num_seqs)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -80,7 +80,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=rid, prompt_ids=list(prompt_ids), params=params, stop_ids=stops,
             max_new_tokens=max_new,
-            speculate=speculate and self.draft is not None, generator=params.make_generator(self.pool.k.device),
+            speculate=speculate and self.draft is not None, seed=params.resolve_seed(),
             stats=SpecStats(self.K), arrival=next(self._arrivals),
         )
         self.seqs[rid] = seq
@@ -121,15 +121,20 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self._outputs([])
-        results = self.runner.step(scheduled, self.K)
+        results = self.runner.step(scheduled)
         for r in results:
             self._commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
-        ready = [r.seq for r in results if not r.seq.finished and not r.seq.in_prefill]
         K = self.config.draft_len(len(self.scheduler.running), self.K)
         to_draft, ks = [], []
-        for seq in ready:
+        for r in results:
+            seq = r.seq
+            if seq.finished or seq.in_prefill:
+                continue
             k = min(K, self.max_model_len - 1 - seq.num_computed) if seq.speculate else 0
-            if k > 0:
+            if r.next_drafts is not None and len(r.next_drafts) == k:  # the decode step drafted this block already
+                seq.drafts, seq.draft_probs = r.next_drafts, None
+                seq.stats.num_draft_passes += 1
+            elif k > 0:
                 to_draft.append(seq)
                 ks.append(k)
             else:

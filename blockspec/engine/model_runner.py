@@ -1,5 +1,10 @@
-"""Runs one engine step on the models: a target forward over every scheduled row (prefill chunks and verify
-blocks together, varlen), acceptance, draft-context append for committed rows, and the next draft blocks.
+"""Runs one engine step on the models. Two paths, same results:
+
+- the varlen step, for any mix of prefill chunks and verify blocks: one target forward over every scheduled row,
+  then sampling, acceptance and the draft-context append on device, and one device-to-host copy; the engine drafts
+  the next blocks afterwards with propose();
+- the decode step (engine/decode_step.py), when every scheduled request is decoding with the same K: verify,
+  accept, context append AND the next drafts in one static-shape function, replayed from a CUDA graph on GPU.
 
 Returns, per sequence, the tokens committed this step; the engine does stop checks and bookkeeping."""
 
@@ -9,14 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec import rng
 from blockspec.attention.backends import get_backend
-from blockspec.attention.paged_ref import PagedBatch, store
+from blockspec.attention.paged_ref import PagedBatch
+from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.kv.pool import KVPool
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
-from blockspec.sampling import processed_probs, sample_from
+from blockspec.sampling import SamplingRows, processed_probs_rows, race, sample_rows
 from blockspec.spec.verify import accept_probabilistic, accept_tokens
 
 
@@ -26,127 +33,173 @@ class StepResult:
     new_tokens: list[int]  # tokens committed this step (before stop/max_tokens cuts)
     num_accepted: int | None  # drafts accepted (verify rows only)
     num_kv_rows: int  # rows whose target KV + draft context became valid this step
+    next_drafts: list[int] | None = None  # the next block's drafts, when the step drafted them already
+
+
+def block_tables(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] int64 block tables, padded with block 0 (read-only padding: its rows never write)."""
+    tables = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    return tables.to(device)
 
 
 def _slots(seq: Sequence, start: int, n: int, block_size: int) -> list[int]:
     return [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
 
 
-def _batch(items: list[tuple[Sequence, list[int], list[int], list[int], int]], device: torch.device) -> PagedBatch:
-    """items: (seq, positions, slots, _, kv_len) per sequence, in batch order."""
-    positions, slots, qs, kv_lens = [], [], [0], []
-    for seq, pos, sl, _, kv_len in items:
-        positions += pos
-        slots += sl
-        qs.append(qs[-1] + len(pos))
-        kv_lens.append(kv_len)
-    width = max(len(s.block_table) for s, *_ in items)
-    tables = torch.zeros(len(items), max(width, 1), dtype=torch.long)
-    for i, (s, *_) in enumerate(items):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-    return PagedBatch(torch.tensor(positions, device=device), torch.tensor(slots, device=device), qs, kv_lens,
-                      tables.to(device))
-
-
 class ModelRunner:
     def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, pool: KVPool, max_model_len: int,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 32) -> None:
         self.lm, self.draft, self.pool = lm, draft, pool
         self.device = next(lm.model.parameters()).device
-        self.target_attn, self.draft_attn = get_backend(attention_backend, self.device)
+        self.backend = get_backend(attention_backend, self.device)
         self.taps = draft.spec.target_layer_ids if draft is not None else []
         self.max_model_len = max_model_len
+        self.vocab_size = lm.config.vocab_size
+        capture = self.device.type == "cuda" and self.backend.capturable and not enforce_eager
+        self.decode = DecodeStep(self, max_num_seqs, capture)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
-    def step(self, scheduled: list[ScheduledSeq], num_draft_tokens: int) -> list[StepResult]:
+    def step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:
+        K = self.decode.eligible(scheduled)
+        if K is not None:
+            return self.decode.run([s.seq for s in scheduled], K)
+        return self._varlen_step(scheduled)
+
+    def _varlen_step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:
         bs = self.pool.block_size
-        items, logit_rows, row = [], [], 0
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qs, kv_lens = [0], []
+        logit_rows: list[int] = []
+        sample_pos: list[int] = []
+        params, seeds = [], []
+        first_token: list[bool] = []  # per scheduled prefill: does this chunk end the prompt and sample token 1?
         for s in scheduled:
-            seq, nc = s.seq, s.seq.num_computed
-            ids = seq.tokens[nc:nc + s.num_rows] if s.is_prefill else [seq.bonus] + seq.drafts
-            pos = list(range(nc, nc + s.num_rows))
-            items.append((seq, pos, _slots(seq, nc, s.num_rows, bs), ids, nc + s.num_rows))
-            wants_logits = not s.is_prefill or (nc + s.num_rows == seq.prefill_len and not seq.output_ids)
-            logit_rows.append(list(range(row, row + s.num_rows)) if not s.is_prefill else ([row + s.num_rows - 1] if wants_logits else []))
-            row += s.num_rows
-        batch = _batch(items, self.device)
-        input_ids = torch.tensor([t for *_, ids, _ in items for t in ids], device=self.device)
-        flat_rows = torch.tensor([r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device)
-        out = self.lm.model(input_ids, batch.positions, self.target_attn(self.pool, batch), tap_layers=self.taps,
-                            logit_rows=flat_rows)
-        logits = out.logits
-        results: list[StepResult] = []
-        ctx_rows: list[int] = []
-        li = 0
-        for s, rows in zip(scheduled, logit_rows):
+            seq, nc, n = s.seq, s.seq.num_computed, s.num_rows
+            ids += seq.tokens[nc:nc + n] if s.is_prefill else [seq.bonus] + seq.drafts
+            positions += range(nc, nc + n)
+            slots += _slots(seq, nc, n, bs)
+            row0 = qs[-1]
+            qs.append(row0 + n)
+            kv_lens.append(nc + n)
+            if not s.is_prefill:
+                rows = list(range(n))
+            else:  # the prompt's last row samples the first token (a resumed sequence already has it)
+                first_token.append(nc + n == seq.prefill_len and not seq.output_ids)
+                rows = [n - 1] if first_token[-1] else []
+            logit_rows += [row0 + r for r in rows]
+            sample_pos += [nc + r + 1 for r in rows]  # the position of the token each row samples
+            params += [seq.params] * len(rows)
+            seeds += [seq.seed] * len(rows)
+        width = max(len(s.seq.block_table) for s in scheduled)
+        batch = PagedBatch(self._tensor(positions), self._tensor(slots), self._tensor(qs, torch.int32),
+                           self._tensor(kv_lens, torch.int32), block_tables([s.seq for s in scheduled], width, self.device),
+                           max(b - a for a, b in zip(qs, qs[1:])), max(kv_lens))
+        out = self.lm.model(self._tensor(ids), batch.positions, self.backend.target(self.pool, batch),
+                            tap_layers=self.taps, logit_rows=self._tensor(logit_rows))
+        chosen = sample_rows(out.logits, SamplingRows.build(params, seeds, self.device, self.vocab_size),
+                             self._tensor(sample_pos))
+        pieces, keep, li = [], [], 0
+        firsts = iter(first_token)
+        for s in scheduled:
             seq = s.seq
-            seq_logits = logits[li:li + len(rows)]
-            li += len(rows)
-            start_row = batch.query_start[len(results)]
             if s.is_prefill:
-                ctx_rows += range(start_row, start_row + s.num_rows)
-                new = [int(self._sample(seq, seq_logits)[0])] if rows else []
-                results.append(StepResult(seq, new, None, s.num_rows))
+                if next(firsts):
+                    pieces.append(chosen[li:li + 1])
+                    li += 1
+                keep.append(torch.ones(s.num_rows, dtype=torch.bool, device=self.device))
+                continue
+            K = len(seq.drafts)
+            drafts = self._tensor(seq.drafts)[None]
+            if seq.draft_probs is not None:
+                tokens, n = self._accept_probabilistic(seq, drafts, out.logits[li:li + K + 1])
             else:
-                tokens, n = self._accept(seq, seq_logits)
-                ctx_rows += range(start_row, start_row + n + 1)
-                results.append(StepResult(seq, tokens[: n + 1], n, n + 1))
-        if self.draft is not None and ctx_rows:
-            self._append_context(out.taps, batch, ctx_rows)
+                tokens, n = accept_tokens(drafts, chosen[li:li + K + 1][None])
+            li += K + 1
+            pieces += [tokens[0], n]
+            keep.append(torch.arange(K + 1, device=self.device) <= n)
+        if self.draft is not None:
+            ctx_slots = torch.where(torch.cat(keep), batch.slot_mapping, -1)
+            self._append_context(out.taps, batch.positions, ctx_slots)
+        host = torch.cat(pieces).tolist() if pieces else []  # the step's one device-to-host copy
+        return self._results(scheduled, first_token, host)
+
+    @staticmethod
+    def _results(scheduled: list[ScheduledSeq], first_token: list[bool], host: list[int]) -> list[StepResult]:
+        results, i = [], 0
+        firsts = iter(first_token)
+        for s in scheduled:
+            seq = s.seq
+            if s.is_prefill:
+                first = next(firsts)
+                results.append(StepResult(seq, host[i:i + 1] if first else [], None, s.num_rows))
+                i += 1 if first else 0
+                continue
+            K = len(seq.drafts)
+            tokens, n = host[i:i + K + 1], host[i + K + 1]
+            i += K + 2
+            results.append(StepResult(seq, tokens[: n + 1], n, n + 1))
         return results
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        p = seq.params
-        if p.greedy:
-            return logits.argmax(-1)
-        return sample_from(processed_probs(logits, p.temperature, p.top_k, p.top_p), seq.generator)
+    def _accept_probabilistic(self, seq: Sequence, drafts: torch.Tensor, logits: torch.Tensor):
+        """p/q rejection for sampled drafts; noise keyed by the draft positions (uniforms) and the block start."""
+        K, nc = drafts.shape[1], seq.num_computed
+        rows = SamplingRows.build([seq.params] * (K + 1), [seq.seed] * (K + 1), self.device, self.vocab_size)
+        probs = processed_probs_rows(logits, rows)
+        seed = rows.seeds[:1]
+        u = rng.uniform(seed.expand(K), torch.arange(nc + 1, nc + K + 1, device=self.device), rng.STREAM_ACCEPT, 1)
+        noise = rng.exponential(seed, self._tensor([nc]), rng.STREAM_RESIDUAL, probs.shape[-1])
+        return accept_probabilistic(drafts, probs[None], seq.draft_probs[None, :K], u.T, noise)
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
-        """logits [K+1, V] for [bonus, d_1..d_K] -> (emitted tokens, number of drafts accepted)."""
-        drafts = torch.tensor(seq.drafts, dtype=torch.long, device=self.device)[None]
-        p = seq.params
-        if seq.draft_probs is not None and not p.greedy:
-            probs = processed_probs(logits, p.temperature, p.top_k, p.top_p)
-            K = drafts.shape[1]
-            u = torch.rand(K, generator=seq.generator, device=self.device)
-            noise = torch.empty(probs.shape[-1], device=self.device).exponential_(generator=seq.generator)
-            out, n = accept_probabilistic(drafts, probs[None], seq.draft_probs[None, :K], u[None], noise[None])
-        else:
-            out, n = accept_tokens(drafts, self._sample(seq, logits)[None])
-        n_host = int(n[0])
-        return out[0, : n_host + 1].tolist(), n_host
-
-    def _append_context(self, taps: torch.Tensor, batch: PagedBatch, rows: list[int]) -> None:
-        """Write draft-context K/V of committed rows into the draft pages (same slots as their target KV)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        kvs = self.draft.model.context_kv(taps[idx], batch.positions[idx])
-        slots = batch.slot_mapping[idx]
-        for layer, (k, v) in enumerate(kvs):
-            store(self.pool.draft_k[layer], self.pool.draft_v[layer], k, v, slots)
+    def _append_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write draft-context K/V of committed rows into the draft pages (same slots as their target KV; -1 skips)."""
+        for layer, (k, v) in enumerate(self.draft.model.context_kv(taps, positions)):
+            self.backend.store(self.pool.draft_k[layer], self.pool.draft_v[layer], k, v, slots)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Draft the next block for each sequence from its bonus (context = everything before it), in one pass."""
         spec = self.draft.spec
-        items = []
+        ids: list[int] = []
+        positions: list[int] = []
+        qs, kv_lens = [0], []
         for seq, K in zip(seqs, ks):
             nc = seq.num_computed
-            pos = list(range(nc, nc + K + 1))
-            items.append((seq, pos, [-1] * (K + 1), [seq.bonus] + [spec.mask_token_id] * K, nc))
-        batch = _batch(items, self.device)
-        ids = torch.tensor([t for *_, ids, _ in items for t in ids], device=self.device)
-        hidden = self.draft.model(self.lm.model.embed_tokens(ids), batch.positions, self.draft_attn(self.pool, batch))
-        qs = batch.query_start
-        draft_rows = torch.tensor([r for i in range(len(seqs)) for r in range(qs[i] + 1, qs[i + 1])], device=self.device)
+            ids += [seq.bonus] + [spec.mask_token_id] * K
+            positions += range(nc, nc + K + 1)
+            qs.append(qs[-1] + K + 1)
+            kv_lens.append(nc)
+        width = max(len(s.block_table) for s in seqs)
+        batch = PagedBatch(self._tensor(positions), self._tensor([-1] * len(ids)), self._tensor(qs, torch.int32),
+                           self._tensor(kv_lens, torch.int32), block_tables(seqs, width, self.device),
+                           max(ks) + 1, max(kv_lens))
+        hidden = self.draft.model(self.lm.model.embed_tokens(self._tensor(ids)), batch.positions,
+                                  self.backend.draft(self.pool, batch))
+        draft_rows = self._tensor([r for i in range(len(seqs)) for r in range(qs[i] + 1, qs[i + 1])])
         logits = self.draft.model.compute_logits(hidden[draft_rows], self.lm.model.lm_head)
-        off = 0
-        for seq, K in zip(seqs, ks):
+        chosen, off = [], 0
+        for i, (seq, K) in enumerate(zip(seqs, ks)):
             lg = logits[off:off + K]
             off += K
-            p = seq.params
-            if spec.probabilistic_drafting and not p.greedy:
-                q = processed_probs(lg, p.temperature, p.top_k, p.top_p)
-                seq.drafts, seq.draft_probs = sample_from(q, seq.generator).tolist(), q
+            seq.draft_probs = None
+            if spec.probabilistic_drafting and not seq.params.greedy:
+                rows = SamplingRows.build([seq.params] * K, [seq.seed] * K, self.device, self.vocab_size)
+                q = processed_probs_rows(lg, rows)
+                draft_positions = batch.positions[qs[i] + 1:qs[i + 1]]
+                noise = rng.exponential(rows.seeds, draft_positions, rng.STREAM_DRAFT, q.shape[-1])
+                chosen.append(race(q, noise))
+                seq.draft_probs = q
             else:
-                seq.drafts, seq.draft_probs = lg.argmax(-1).tolist(), None
+                chosen.append(lg.argmax(-1))
             seq.stats.num_draft_passes += 1
+        host = torch.cat(chosen).tolist()  # one device-to-host copy for every block
+        off = 0
+        for seq, K in zip(seqs, ks):
+            seq.drafts = host[off:off + K]
+            off += K

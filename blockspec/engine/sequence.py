@@ -25,7 +25,7 @@ class Sequence:
     stop_ids: set[int]
     max_new_tokens: int  # max_tokens capped by the model's context
     speculate: bool  # False: plain autoregressive rows for this request
-    generator: torch.Generator | None
+    seed: int  # the request's noise key (blockspec.rng)
     stats: SpecStats
     arrival: int = 0
     status: SeqStatus = SeqStatus.WAITING

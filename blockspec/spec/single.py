@@ -14,7 +14,8 @@ from blockspec.attention.dense_cache import DenseCausalAttention, DenseDraftAtte
 from blockspec.generate import GenerationResult, check_prompt, stop_set
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
-from blockspec.sampling import SamplingParams, processed_probs, sample, sample_from
+from blockspec import rng
+from blockspec.sampling import SamplingParams, processed_probs, race, sample
 from blockspec.spec.stats import SpecStats
 from blockspec.spec.verify import accept_probabilistic, accept_tokens
 
@@ -35,11 +36,14 @@ class DFlashSession:
         self.kv = DenseKVCache.allocate(cfg.num_hidden_layers, cap, cfg.num_key_value_heads, cfg.head_dim, param.dtype, self.device)
         d = draft.config
         self.ctx = DenseKVCache.allocate(d.num_hidden_layers, cap, d.num_key_value_heads, d.head_dim, param.dtype, self.device)
-        self.gen = params.make_generator(self.device)
+        self.seed = params.resolve_seed()
         self.stats = SpecStats(self.K)
         self.steps: list[dict] = []
         self.prompt_ids = prompt_ids
         self.taps = draft.spec.target_layer_ids
+
+    def _seeds(self, n: int) -> torch.Tensor:
+        return torch.full((n,), self.seed, dtype=torch.long, device=self.device)
 
     def _append_context(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
         for layer, (k, v) in enumerate(self.draft.model.context_kv(taps, positions)):
@@ -59,7 +63,8 @@ class DFlashSession:
         p = self.params
         if spec.probabilistic_drafting and not p.greedy:
             q = processed_probs(logits, p.temperature, p.top_k, p.top_p)
-            return sample_from(q, self.gen), q
+            noise = rng.exponential(self._seeds(self.K), positions[1:], rng.STREAM_DRAFT, q.shape[-1])
+            return race(q, noise), q
         return logits.argmax(dim=-1), None
 
     def _verify(self, bonus: int, drafts: torch.Tensor, q: torch.Tensor | None, start: int):
@@ -67,16 +72,13 @@ class DFlashSession:
         positions = torch.arange(start, start + self.K + 1, device=self.device)
         out = self.lm.model(ids, positions, DenseCausalAttention(self.kv, positions, start + self.K + 1), tap_layers=self.taps)
         p = self.params
-        if p.greedy:
-            tokens, n = accept_tokens(drafts[None], out.logits.argmax(-1)[None])
+        if q is None:  # the target's own sample (or argmax) at every row; noise keyed by the sampled position
+            tokens, n = accept_tokens(drafts[None], sample(out.logits, p, self.seed, positions + 1)[None])
         else:
             probs = processed_probs(out.logits, p.temperature, p.top_k, p.top_p)
-            if q is None:
-                tokens, n = accept_tokens(drafts[None], sample_from(probs, self.gen)[None])
-            else:
-                u = torch.rand(self.K, generator=self.gen, device=self.device)
-                noise = torch.empty(probs.shape[-1], device=self.device).exponential_(generator=self.gen)
-                tokens, n = accept_probabilistic(drafts[None], probs[None], q[None], u[None], noise[None])
+            u = rng.uniform(self._seeds(self.K), positions[1:], rng.STREAM_ACCEPT, 1)
+            noise = rng.exponential(self._seeds(1), positions[:1], rng.STREAM_RESIDUAL, probs.shape[-1])
+            tokens, n = accept_probabilistic(drafts[None], probs[None], q[None], u.T, noise)
         return tokens[0], int(n[0]), out.taps
 
     @torch.inference_mode()
@@ -87,7 +89,7 @@ class DFlashSession:
         out = self.lm.model(torch.tensor(self.prompt_ids, device=self.device), positions,
                             DenseCausalAttention(self.kv, positions, P), tap_layers=self.taps,
                             logit_rows=torch.tensor([P - 1], device=self.device))
-        bonus = int(sample(out.logits, self.params, self.gen)[0])
+        bonus = int(sample(out.logits, self.params, self.seed, torch.tensor([P], device=self.device))[0])
         self._append_context(out.taps, positions)
         emitted = 1
         yield bonus

@@ -1,0 +1,166 @@
+"""The decode step: B requests, each verifying a bonus + K drafts (K = 0: plain decoding), in one static-shape
+function: target forward over B x (K+1) rows -> sampling -> acceptance -> draft-context append of the committed
+rows -> the next block's drafts (draft forward from each request's new bonus). No host sync inside; the result is
+one packed int64 tensor [B, 2K+2] = (emitted tokens [K+1], num_accepted, next drafts [K]) copied to the host once.
+
+Inputs live in static per-bucket buffers (batch padded up to a bucket size), so on CUDA the whole step is captured
+once per (bucket, K, sampling mode) as a CUDA graph and replayed; `enforce_eager` (and CPU) runs the same function
+uncaptured, so graph and eager results are equal. Padding rows write nothing: their slots are -1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from blockspec.attention.paged_ref import PagedBatch
+from blockspec.engine.sequence import Sequence
+from blockspec.sampling import SamplingRows, sample_rows
+from blockspec.spec.verify import accept_tokens
+
+if TYPE_CHECKING:
+    from blockspec.engine.model_runner import ModelRunner, StepResult
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get their own graph: powers of two, then steps of 32, capped by max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs] + list(range(64, max_num_seqs, 32))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+@dataclass
+class DecodeBuffers:
+    """Static inputs of one (bucket, K) decode step."""
+
+    input_ids: torch.Tensor  # [B, K+1] int64: bonus, d_1..d_K
+    start: torch.Tensor  # [B] int64: position of the bonus (= tokens already in the KV)
+    valid: torch.Tensor  # [B] bool: False for padding rows
+    block_tables: torch.Tensor  # [B, W] int64
+    temperature: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+    query_start: torch.Tensor  # [B+1] int32: row offsets, (K+1) apart
+
+    @classmethod
+    def allocate(cls, B: int, K: int, width: int, device: torch.device) -> "DecodeBuffers":
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), z(B, dtype=torch.float32), z(B),
+                   torch.ones(B, dtype=torch.float32, device=device), z(B),
+                   torch.arange(B + 1, dtype=torch.int32, device=device) * (K + 1))
+
+
+class DecodeStep:
+    def __init__(self, runner: "ModelRunner", max_num_seqs: int, capture: bool) -> None:
+        self.runner = runner
+        self.buckets = buckets(max_num_seqs)
+        self.capture = capture
+        page = runner.pool.block_size
+        K = runner.draft.spec.num_draft_tokens if runner.draft is not None else 0
+        self.width = -(-(runner.max_model_len + K + 1) // page)  # block-table columns: up to the verify window
+        self.buffers: dict[tuple[int, int], DecodeBuffers] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def eligible(self, scheduled: list) -> int | None:
+        """K when every scheduled request decodes with K argmax drafts (or none) and the batch fits a bucket."""
+        if not scheduled or len(scheduled) > self.buckets[-1]:
+            return None
+        K = len(scheduled[0].seq.drafts)
+        for s in scheduled:
+            if s.is_prefill or len(s.seq.drafts) != K or s.seq.draft_probs is not None:
+                return None
+        if K > 0 and self.runner.draft is None:
+            return None
+        return K
+
+    def run(self, seqs: list[Sequence], K: int) -> list["StepResult"]:
+        from blockspec.engine.model_runner import StepResult
+
+        B = next(b for b in self.buckets if b >= len(seqs))
+        buf = self.buffers.get((B, K))
+        if buf is None:
+            buf = self.buffers[(B, K)] = DecodeBuffers.allocate(B, K, self.width, self.runner.device)
+        rows = self._fill(buf, seqs, K)
+        if self.capture:
+            packed = self._replay(buf, rows, K)
+        else:
+            packed = self.forward(buf, rows)
+        host = packed[: len(seqs)].tolist()  # the step's one device-to-host copy
+        out = []
+        for seq, r in zip(seqs, host):
+            n = r[K + 1]
+            out.append(StepResult(seq, r[: n + 1], n, n + 1, r[K + 2:] if K > 0 else None))
+        return out
+
+    def _fill(self, buf: DecodeBuffers, seqs: list[Sequence], K: int) -> SamplingRows:
+        """Copy this step's inputs into the static buffers (host -> device, one copy per buffer)."""
+        B, n, dev = buf.input_ids.shape[0], len(seqs), buf.input_ids.device
+        pad = B - n
+        ids = [[s.bonus] + s.drafts for s in seqs] + [[0] * (K + 1)] * pad
+        tables = torch.zeros(B, self.width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+        rows = SamplingRows.build([s.params for s in seqs], [s.seed for s in seqs], dev, self.runner.vocab_size)
+        buf.input_ids.copy_(torch.tensor(ids), non_blocking=True)
+        buf.start.copy_(torch.tensor([s.num_computed for s in seqs] + [0] * pad), non_blocking=True)
+        buf.valid.copy_(torch.tensor([True] * n + [False] * pad), non_blocking=True)
+        buf.block_tables.copy_(tables, non_blocking=True)
+        buf.temperature[:n], buf.top_k[:n], buf.top_p[:n], buf.seeds[:n] = (rows.temperature, rows.top_k, rows.top_p,
+                                                                           rows.seeds)
+        buf.temperature[n:], buf.top_k[n:], buf.top_p[n:] = 0.0, 0, 1.0
+        return SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, rows.all_greedy, rows.use_top_k,
+                            rows.use_top_p)
+
+    def _replay(self, buf: DecodeBuffers, rows: SamplingRows, K: int) -> torch.Tensor:
+        key = (buf.input_ids.shape[0], K, rows.all_greedy, rows.use_top_k, rows.use_top_p)
+        if key not in self.graphs:
+            # Warm up on a side stream (Triton compiles its kernels here), then capture. The warm-up runs the real
+            # step on the real inputs; its KV writes are exactly the ones the replay makes.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.forward(buf, rows)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                packed = self.forward(buf, rows)
+            self.graphs[key] = (graph, packed)
+        graph, packed = self.graphs[key]
+        graph.replay()
+        return packed
+
+    def forward(self, buf: DecodeBuffers, rows: SamplingRows) -> torch.Tensor:
+        r = self.runner
+        lm, draft, pool = r.lm.model, r.draft, r.pool
+        B, K1 = buf.input_ids.shape
+        K, page = K1 - 1, pool.block_size
+        offs = torch.arange(K1, device=buf.start.device)
+        pos = buf.start[:, None] + offs  # [B, K+1]
+        slots = buf.block_tables.gather(1, pos // page) * page + pos % page
+        slots = torch.where(buf.valid[:, None], slots, -1)
+        batch = PagedBatch(pos.flatten(), slots.flatten(), buf.query_start, (buf.start + K1).int(), buf.block_tables,
+                           K1, None)
+        out = lm(buf.input_ids.flatten(), batch.positions, r.backend.target(pool, batch), tap_layers=r.taps)
+        chosen = sample_rows(out.logits, rows.repeat(K1), batch.positions + 1).view(B, K1)
+        if K > 0:
+            tokens, n = accept_tokens(buf.input_ids[:, 1:], chosen)
+        else:
+            tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
+        if draft is None:
+            return torch.cat([tokens, n[:, None]], dim=1)
+        ctx_slots = torch.where(offs[None, :] <= n[:, None], slots, -1).flatten()
+        r._append_context(out.taps, batch.positions, ctx_slots)
+        if K == 0:
+            return torch.cat([tokens, n[:, None]], dim=1)
+        # the next block: [new bonus, MASK x K] at positions start + n + 1 ..., over the context committed so far
+        bonus = tokens.gather(1, n[:, None])
+        start = buf.start + n + 1
+        ids = torch.cat([bonus, torch.full_like(tokens[:, 1:], draft.spec.mask_token_id)], dim=1)
+        dpos = (start[:, None] + offs).flatten()
+        dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), buf.query_start, start.int(), buf.block_tables, K1, None)
+        hidden = draft.model(lm.embed_tokens(ids.flatten()), dpos, r.backend.draft(pool, dbatch))
+        hidden = hidden.view(B, K1, -1)[:, 1:].reshape(B * K, -1)
+        drafts = draft.model.compute_logits(hidden, lm.lm_head).argmax(-1).view(B, K)
+        return torch.cat([tokens, n[:, None], drafts], dim=1)

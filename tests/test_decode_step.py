@@ -1,0 +1,110 @@
+"""The static-shape decode step (engine/decode_step.py): it is really taken, it gives the same outputs as the varlen
+step, its padding rows never write the pool, and with the counter-based noise a seeded request emits the same
+tokens with and without speculation (each emitted token is the target's sample at its position)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from blockspec.engine.decode_step import buckets
+from blockspec.generate import generate
+from blockspec.llm import LLM
+from blockspec.sampling import SamplingParams
+from blockspec.spec.single import spec_generate
+from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = trained_pair()
+    return p.lm, p.draft
+
+
+def workload(n: int, seed: int, max_tokens: tuple[int, int] = (10, 40)):
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append(cycle_seq((CYCLE_A, CYCLE_B)[i % 2], rng.randrange(20), rng.randint(1, 60)))
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=rng.choice([0.6, 1.0, 1.5]), top_k=rng.choice([0, 5]),
+                                         top_p=rng.choice([1.0, 0.9]), seed=1000 + i,
+                                         max_tokens=rng.randint(*max_tokens), ignore_eos=True))
+    return prompts, params
+
+
+def run(llm: LLM, prompts, params, speculate: bool = True):
+    return [(o.token_ids, o.acceptance_lengths, o.steps)
+            for o in llm.generate(prompts, params, use_tqdm=False, speculate=speculate)]
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert buckets(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+
+
+def test_decode_step_taken_and_equal_to_varlen_step(pair):
+    lm, draft = pair
+    prompts, params = workload(12, seed=1, max_tokens=(30, 90))
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
+    calls = []
+    real_run = llm.engine.runner.decode.run
+    llm.engine.runner.decode.run = lambda seqs, K: calls.append((len(seqs), K)) or real_run(seqs, K)
+    fused = run(llm, prompts, params)
+    assert len(calls) >= 8 and any(b > 1 for b, _ in calls) and any(b not in buckets(7) for b, _ in calls), calls
+    varlen = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
+    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    assert run(varlen, prompts, params) == fused
+    assert sum(len(acc) for _, acc, _ in fused) > 0 and max(max(acc) for _, acc, _ in fused if acc) > 3
+
+
+def test_padding_rows_never_write_the_pool(pair):
+    lm, draft = pair
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4, enable_prefix_caching=False)
+    eng = llm.engine
+    for i in range(3):  # 3 requests run in the bucket of 4: one padding row, whose block table is all block 0
+        eng.add_request(cycle_seq(CYCLE_A, i, 9), SamplingParams(max_tokens=30, ignore_eos=True))
+    while any(s.in_prefill for s in eng.scheduler.running) or len(eng.scheduler.running) < 3:
+        eng.step()
+    pool = eng.pool
+    before = [t.clone() for t in (pool.k, pool.v, pool.draft_k, pool.draft_v)]
+    seqs = list(eng.scheduler.running)
+    windows = [(s, s.num_computed, len(s.drafts) + 1) for s in seqs]  # the verify rows of this step
+    assert eng.runner.decode.eligible([type("S", (), {"seq": s, "is_prefill": False})() for s in seqs]) is not None
+    eng.step()
+    written = {s.block_table[p // 4] * 4 + p % 4 for s, start, n in windows for p in range(start, start + n)}
+    for old, new in zip(before, (pool.k, pool.v, pool.draft_k, pool.draft_v)):
+        changed = set((old != new).flatten(2).any(-1).any(0).nonzero().flatten().tolist())
+        assert changed and changed <= written, sorted(changed - written)
+
+
+@pytest.mark.parametrize("probabilistic", [False, True])
+def test_seeded_sampling_spec_equals_plain(pair, probabilistic):
+    lm, draft = pair
+    prompts, params = workload(8, seed=2)
+    plain = [generate(lm, p, sp).token_ids for p, sp in zip(prompts, params)]
+    if probabilistic:  # p/q acceptance: distribution-exact, but not the same draws as plain decoding
+        import dataclasses
+
+        draft = dataclasses.replace(draft, spec=dataclasses.replace(draft.spec, probabilistic_drafting=True))
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=4)
+    spec = [t for t, _, _ in run(llm, prompts, params)]
+    engine_plain = [t for t, _, _ in run(llm, prompts, params, speculate=False)]
+    single = [spec_generate(lm, draft, p, sp).token_ids for p, sp in zip(prompts, params)]
+    assert engine_plain == plain
+    assert spec == single  # the engine and the single-request loop use the same noise
+    if not probabilistic:
+        assert spec == plain  # argmax drafts: every emitted token is the target's own seeded sample
+    else:
+        sampled = [i for i, sp in enumerate(params) if not sp.greedy]
+        assert any(spec[i] != plain[i] for i in sampled)
+        assert all(spec[i] == plain[i] for i, sp in enumerate(params) if sp.greedy)
+
+
+def test_cpu_never_captures(pair):
+    lm, draft = pair
+    assert not LLM.from_loaded(lm, draft).engine.runner.decode.capture
