@@ -1,0 +1,82 @@
+"""`blockspec eval-draft`: a drafter's acceptance and speedup on a shipped evaluation set, plus an acceptance PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from blockspec.data.eval_prompts import EVAL_SETS
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="DFlash drafter (default with the bundled target: the bundled drafter)")
+    p.add_argument("--dataset", required=True, choices=EVAL_SETS)
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs then must equal no-spec)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (temperature > 0)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
+    p.add_argument("--max-batch-size", type=int, default=1,
+                   help="requests decoded together (default 1: single-stream speed, the usual speculative setting)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out-dir", default="eval-draft", help="where the PNG and the JSON report go")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (the last stdout line)")
+
+
+def _table(r: dict) -> str:
+    tau = r["mean_acceptance_length"]
+    per_pos = "  ".join(f"{i}:{a:.2f}" for i, a in enumerate(r["per_position_acceptance"], 1))
+    return "\n".join([
+        f"eval-draft {r['dataset']}: {r['num_prompts']} prompts, max {r['max_tokens']} new tokens, "
+        f"temperature {r['temperature']}, K={r['num_draft_tokens']}, batch {r['max_batch_size']}",
+        f"{'':24s}{'spec':>12s}{'no-spec':>12s}",
+        f"{'generated tokens':24s}{r['generated_tokens']:12d}{r['baseline_generated_tokens']:12d}",
+        f"{'time (s)':24s}{r['time_s']:12.2f}{r['baseline_time_s']:12.2f}",
+        f"{'tokens/s':24s}{r['tokens_per_second']:12.1f}{r['baseline_tokens_per_second']:12.1f}",
+        f"speedup: {r['speedup']:.2f}x",
+        f"tau (mean acceptance length): {tau:.2f} over {r['num_verify_steps']} verify steps" if tau is not None
+        else "tau: no verify steps",
+        f"per-position acceptance: {per_pos}",
+        f"outputs identical to no-spec: {r['outputs_identical']}",
+        f"acceptance plot: {r['png']}   report: {r['report']}",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockspec.config import SpeculativeConfig
+    from blockspec.data.builder import encode_prompts
+    from blockspec.data.eval_prompts import load_eval_prompts
+    from blockspec.errors import BlockspecError
+    from blockspec.evaluation.eval_draft import evaluate_draft
+    from blockspec.evaluation.plot import write_acceptance_png
+    from blockspec.loading.bundled_draft import bundled_draft_path
+    from blockspec.loading.draft_loader import load_draft
+    from blockspec.loading.loader import load_model
+    from blockspec.sampling import SamplingParams
+
+    if args.max_batch_size < 1:
+        raise BlockspecError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.draft is None and args.model is not None:
+        raise BlockspecError("--model needs --draft (the bundled drafter is for the bundled target only)")
+    draft_src = args.draft or str(bundled_draft_path())
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    texts = load_eval_prompts(args.dataset, args.limit)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    draft = load_draft(SpeculativeConfig(draft_model=draft_src, num_draft_tokens=args.num_draft_tokens), lm)
+    prompts = encode_prompts(lm, texts, chat=not args.no_chat)
+    report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=args.max_batch_size,
+                            use_tqdm=not args.json)
+    out_dir = Path(args.out_dir)
+    png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
+                               f"{args.dataset}: {Path(draft_src).name} on {lm.source.name}")
+    result = {**report.to_dict(), "model": args.model or "bundled", "draft": draft_src, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "chat_template": not args.no_chat,
+              "max_batch_size": args.max_batch_size, "png": str(png),
+              "report": str(out_dir / f"{args.dataset}-report.json")}
+    Path(result["report"]).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else _table(result))
+    return 0
