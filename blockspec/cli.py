@@ -202,6 +202,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 # Subcommands that live in their own modules: name -> (help, module). The module defines `add_args(parser)` and
 # `run(args) -> int`, and imports its heavy dependencies inside run() so that `blockspec --help` stays fast.
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "draft-data": ("build drafter training data: prompts -> target-regenerated token shards", "blockspec.data.cli"),
+    "eval-draft": ("a drafter's acceptance and speedup on an evaluation set (+ PNG)", "blockspec.evaluation.cli"),
 }
 
 
