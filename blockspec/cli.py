@@ -200,8 +200,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 }
 
 # Subcommands that live in their own modules: name -> (help, module). The module defines `add_args(parser)` and
-# `run(args) -> int`, and imports its heavy dependencies inside run() so that `blockspec --help` stays fast.
+# `run(args) -> int`; it is imported only when its command is the one invoked, so heavy dependencies (the server
+# stack, plotting) never slow down or break the other commands.
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("OpenAI-compatible HTTP server", "blockspec.server.serve_cli"),
+    "chat": ("interactive chat in the terminal, streamed", "blockspec.server.chat"),
     "draft-data": ("build drafter training data: prompts -> target-regenerated token shards", "blockspec.data.cli"),
     "eval-draft": ("a drafter's acceptance and speedup on an evaluation set (+ PNG)", "blockspec.evaluation.cli"),
 }
@@ -215,14 +218,18 @@ def _module_command(module: str) -> tuple[Callable[[argparse.ArgumentParser], No
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {name: (add, run) for name, (_, add, run) in COMMANDS.items()}
-    helps = {name: h for name, (h, *_) in COMMANDS.items()}
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text))
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (help_text, module) in MODULE_COMMANDS.items():
-        commands[name], helps[name] = _module_command(module), help_text
-    for name, (add_args, _) in commands.items():
-        add_args(sub.add_parser(name, help=helps[name]))
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:  # only the chosen module command is imported (its dependencies may be heavy)
+            commands[name] = _module_command(module)
+            commands[name][0](p)
     args = parser.parse_args(argv)
     try:
         return commands[args.command][1](args)

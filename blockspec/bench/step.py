@@ -1,9 +1,11 @@
-"""Step micro-benchmark on the GPU: AR decode step and DFlash spec step (verify + accept + context append + draft)
-of a Qwen3-8B-shaped bf16 target with random weights, each captured in one CUDA graph, against the weight-read
-floor (bytes / measured copy bandwidth) and against HF transformers `generate` on identical weights.
-
-The step here is the models' GPU work with fixed metadata (what the engine's captured step replays), not the
-engine's host bookkeeping. Usage: python -m blockspec.bench.step --out step_bench.json"""
+"""Step benchmark on the GPU, in one run: the engine's own decode step (engine/decode_step.py, replayed from its
+CUDA graph) for plain AR decoding and for DFlash spec decoding (verify B x (K+1) + accept + context append + next
+drafts), on a Qwen3-8B-shaped bf16 target with random weights and a 5-layer block-16 drafter, against
+  - the weight-read floor: weight bytes / copy bandwidth measured in the same run;
+  - HF transformers `generate` on identical weights (batch 1);
+plus a per-part breakdown (GEMMs / attention / other kernels / gaps), end-to-end tokens/s through LLMEngine with a
+forced acceptance length (benchmark-only), and a bf16 greedy comparison with HF (first divergences and their
+top-2 logit gaps). Usage: python -m blockspec.bench.step --out docs/perf/step_bench.json"""
 
 from __future__ import annotations
 
@@ -14,27 +16,20 @@ import time
 
 import torch
 
-from blockspec.attention.backends import TritonDraftAttention, TritonTargetAttention
-from blockspec.attention.paged_ref import PagedBatch
-from blockspec.kv.pool import CacheShape, KVPool
-from blockspec.loading.loader import instantiate
+from blockspec.config import EngineConfig, ResolvedSpec
+from blockspec.engine.decode_step import DecodeBuffers
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.loader import LoadedModel, instantiate
 from blockspec.models.config import ModelConfig
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
-from blockspec.spec.verify import accept_tokens
+from blockspec.sampling import SamplingParams, SamplingRows
 
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                 rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, dtype="bfloat16")
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ms = time_ms(lambda: b.copy_(a), 20)
-    return 2 * nbytes / (ms / 1e3)  # read + write
+MASK, TAPS = 151669, [1, 9, 17, 25, 33]
 
 
 def time_ms(fn, iters: int) -> float:
@@ -49,123 +44,90 @@ def time_ms(fn, iters: int) -> float:
     return statistics.median(samples)
 
 
-def graph_ms(fn, iters: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_ms(g.replay, iters)
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    return 2 * nbytes / (time_ms(lambda: b.copy_(a), 20) / 1e3)  # read + write
 
 
-def make_models():
+def make_models(K: int) -> tuple[LoadedModel, LoadedDraft]:
     cfg = ModelConfig.from_hf(QWEN3_8B)
     target = instantiate(cfg, torch.device("cuda"), torch.bfloat16)
     dcfg = DFlashConfig.from_hf({**QWEN3_8B, "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5,
-                                 "block_size": 16, "dflash_config": {"mask_token_id": 151669,
-                                                                     "target_layer_ids": [1, 9, 17, 25, 33]}}, "bench")
+                                 "block_size": 16, "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TAPS}},
+                                "bench")
     with torch.device("cuda"):
-        draft = DFlashDraftModel(dcfg, num_taps=5).to(torch.bfloat16)
+        draft = DFlashDraftModel(dcfg, num_taps=len(TAPS)).to(torch.bfloat16)
     for m in (target, draft):
         for p in m.parameters():
             p.data.normal_(0, 0.02)
-    return cfg, target, dcfg, draft
+    lm = LoadedModel(target.eval(), cfg, None, [], None)  # type: ignore[arg-type]
+    return lm, LoadedDraft(draft.eval(), dcfg, ResolvedSpec(K, MASK, TAPS, 16, False))
 
 
-def batch_for(B: int, ctx: int, rows: int, pool: KVPool, write: bool) -> PagedBatch:
-    bs = pool.block_size
-    per = pool.num_blocks // B
-    tables = torch.arange(B * per, device="cuda").view(B, per)
-    pos = torch.arange(ctx, ctx + rows, device="cuda").repeat(B)
-    slots = (tables[torch.arange(B, device="cuda").repeat_interleave(rows), pos // bs] * bs + pos % bs) if write \
-        else torch.full_like(pos, -1)
-    return PagedBatch(pos, slots, [i * rows for i in range(B + 1)], [ctx + rows if write else ctx] * B, tables)
+def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tuple[float, float, dict | None]:
+    """(graph ms, eager ms, breakdown at batch 1) of one decode step of B requests at context ctx."""
+    from blockspec.bench.parts import breakdown
 
-
-def step_times(cfg, target, dcfg, draft, B: int, ctx: int, K: int = 15) -> dict:
-    bs = 16
-    per = -(-(ctx + K + 3) // bs)
-    pool = KVPool(B * per, bs, CacheShape(36, 8, 128), CacheShape(5, 8, 128), torch.bfloat16, torch.device("cuda"))
-    taps = [1, 9, 17, 25, 33]
+    K = draft.spec.num_draft_tokens if draft is not None else 0
+    per = -(-(ctx + 2 * K + 2) // 16)
+    engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
+    dec = engine.runner.decode
+    buf = DecodeBuffers.allocate(B, K, dec.width, torch.device("cuda"))
+    buf.input_ids.random_(0, lm.config.vocab_size)
+    buf.start.fill_(ctx)
+    buf.valid.fill_(True)
+    buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
+    rows = SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, True, False, False)
     with torch.inference_mode():
-        ar = batch_for(B, ctx, 1, pool, True)
-        ar_attn = TritonTargetAttention(pool, ar)
-        ar_ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
-
-        def ar_step():
-            return target(ar_ids, ar.positions, ar_attn).logits.argmax(-1)
-
-        ver = batch_for(B, ctx, K + 1, pool, True)
-        ver_attn = TritonTargetAttention(pool, ver)
-        ver_ids = torch.randint(0, cfg.vocab_size, (B * (K + 1),), device="cuda")
-        blk = batch_for(B, ctx + 1, K + 1, pool, False)
-        blk_attn = TritonDraftAttention(pool, blk)
-        blk_ids = torch.full((B * (K + 1),), 151669, device="cuda")
-
-        def spec_step():
-            out = target(ver_ids, ver.positions, ver_attn, tap_layers=taps)
-            toks = out.logits.argmax(-1).view(B, K + 1)
-            emitted, n = accept_tokens(ver_ids.view(B, K + 1)[:, 1:], toks)
-            # context append for committed rows (slots of rejected rows masked to -1), then the next draft block
-            keep = torch.arange(K + 1, device="cuda")[None, :] <= n[:, None]
-            slots = torch.where(keep.flatten(), ver.slot_mapping, torch.full_like(ver.slot_mapping, -1))
-            from blockspec.attention.triton_paged import store_kv
-            for layer, (k, v) in enumerate(draft.context_kv(out.taps, ver.positions)):
-                store_kv(k, v, pool.draft_k[layer], pool.draft_v[layer], slots)
-            ids = blk_ids.view(B, K + 1).clone()
-            ids[:, 0] = emitted.gather(1, n[:, None])[:, 0]
-            hidden = draft(target.embed_tokens(ids.flatten()), blk.positions, blk_attn)
-            rows = hidden.view(B, K + 1, -1)[:, 1:].reshape(B * K, -1)
-            return draft.compute_logits(rows, target.lm_head).argmax(-1)
-
-        ar_ms, spec_ms = graph_ms(ar_step), graph_ms(spec_step)
-        ar_eager = time_ms(ar_step, 10)
-    del pool
-    torch.cuda.empty_cache()
-    return {"batch": B, "context": ctx, "K": K, "ar_step_ms": ar_ms, "spec_step_ms": spec_ms, "ar_eager_ms": ar_eager,
-            "spec_over_ar": spec_ms / ar_ms}
+        dec._replay(buf, rows, K)  # warm-up + capture
+        graph = time_ms(lambda: dec._replay(buf, rows, K), 30)
+        eager = time_ms(lambda: dec.forward(buf, rows), 10)
+        parts = breakdown(lambda: dec.forward(buf, rows), graph) if B == 1 and ctx == 1024 else None
+    return graph, eager, parts  # the engine and its pool are freed on return
 
 
-def hf_ar_ms(target_cfg: dict, target) -> float:
-    import transformers as tf
+def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new: int, tau: float | None) -> dict:
+    """tokens/s of LLMEngine.generate: B requests, ctx-token random prompts, `new` tokens each (prefill included)."""
+    from blockspec.llm import LLM
 
-    cfg = tf.Qwen3Config(**{k: v for k, v in target_cfg.items() if k not in ("architectures", "dtype")})
-    with torch.device("meta"):
-        hf = tf.Qwen3ForCausalLM(cfg)
-    hf = hf.to_empty(device="cuda").to(torch.bfloat16).eval()
-    sd = {}
-    for i, layer in enumerate(target.layers):  # identical weights: unpack our fused projections
-        q, k, v = layer.self_attn.qkv_proj.weight.split([4096, 1024, 1024])
-        g, u = layer.mlp.gate_up_proj.weight.chunk(2)
-        pre = f"model.layers.{i}."
-        sd.update({pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k, pre + "self_attn.v_proj.weight": v,
-                   pre + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight, pre + "self_attn.q_norm.weight": layer.self_attn.q_norm.weight,
-                   pre + "self_attn.k_norm.weight": layer.self_attn.k_norm.weight, pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u,
-                   pre + "mlp.down_proj.weight": layer.mlp.down_proj.weight, pre + "input_layernorm.weight": layer.input_layernorm.weight,
-                   pre + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-    sd.update({"model.embed_tokens.weight": target.embed_tokens.weight, "model.norm.weight": target.norm.weight,
-               "lm_head.weight": target.lm_head.weight})
-    hf.load_state_dict(sd, strict=False)
-    hf.model.rotary_emb.to("cuda")
-    ids = torch.randint(0, 151936, (1, 1024), device="cuda")
-    n = 32
-    with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-    del hf
-    torch.cuda.empty_cache()
-    return ((t1 - t0) - (t2 - t1)) / (n - 1) * 1e3  # per decode step, prefill subtracted
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64), bench_forced_tau=tau)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B)]
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)  # capture graphs
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    acc = [a for o in outs for a in o.acceptance_lengths]
+    return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "tokens": n, "time_s": dt,
+            "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None}
+
+
+def greedy_vs_hf(lm: LoadedModel, draft: LoadedDraft, hf, n_prompts: int = 8, n: int = 64) -> dict:
+    from blockspec.bench.hf_ref import hf_greedy
+    from blockspec.llm import LLM
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, lm.config.vocab_size, (32,), generator=g).tolist() for _ in range(n_prompts)]
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    plain = [o.token_ids for o in LLM.from_loaded(lm, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
+    spec = [o.token_ids for o in LLM.from_loaded(lm, draft, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
+    rows = []
+    for i, p in enumerate(prompts):
+        ref, gaps = hf_greedy(hf, p, n)
+        first = next((j for j, (a, b) in enumerate(zip(plain[i], ref)) if a != b), None)
+        rows.append({"prompt": i, "equal_to_hf": plain[i] == ref, "first_divergence": first,
+                     "hf_top2_gap_at_divergence": gaps[first] if first is not None else None,
+                     "min_hf_top2_gap": min(gaps), "spec_equal_to_plain": spec[i] == plain[i]})
+    return {"prompts": n_prompts, "tokens": n, "rows": rows,
+            "all_equal_to_hf": all(r["equal_to_hf"] for r in rows),
+            "all_spec_equal_to_plain": all(r["spec_equal_to_plain"] for r in rows)}
 
 
 def main() -> None:
@@ -173,33 +135,50 @@ def main() -> None:
     ap.add_argument("--out", default="step_bench.json")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--K", type=int, default=15)
+    ap.add_argument("--forced-tau", type=float, default=6.5, help="benchmark-only acceptance for end-to-end tok/s")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    cfg, target, dcfg, draft = make_models()
-    t_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-    d_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
-    head = target.lm_head.weight.numel() * 2
+    lm, draft = make_models(args.K)
+    t_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    d_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+    head = lm.model.lm_head.weight.numel() * lm.model.lm_head.weight.element_size()
     floor_ms, spec_floor_ms = t_bytes / bw * 1e3, (t_bytes + d_bytes + head) / bw * 1e3
-    rows = []
+    rows, parts = [], {}
     for ctx in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
-            r = step_times(cfg, target, dcfg, draft, B, ctx)
+            ar, ar_eager, ar_parts = step_ms(lm, None, B, ctx)
+            torch.cuda.empty_cache()
+            spec, spec_eager, spec_parts = step_ms(lm, draft, B, ctx)
+            torch.cuda.empty_cache()
+            if ar_parts:
+                parts = {"ar": ar_parts, "spec": spec_parts}
+            r = {"batch": B, "context": ctx, "K": args.K, "ar_step_ms": ar, "spec_step_ms": spec,
+                 "ar_eager_ms": ar_eager, "spec_eager_ms": spec_eager, "spec_over_ar": spec / ar,
+                 "ar_ratio_to_floor": ar / floor_ms, "spec_ratio_to_floor": spec / spec_floor_ms}
             rows.append(r)
             print(json.dumps(r), flush=True)
-    try:
-        hf_ms = hf_ar_ms(QWEN3_8B, target)
-    except Exception as e:  # keep the engine figures even if the HF side breaks
-        print(f"HF transformers timing failed: {type(e).__name__}: {e}", flush=True)
-        hf_ms = float("nan")
+    print(json.dumps(parts, indent=1), flush=True)
+    e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 16)]
+    e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 16)]
+    for r in e2e:
+        print(json.dumps(r), flush=True)
+    from blockspec.bench.hf_ref import hf_ar_step_ms, hf_twin
+
+    hf = hf_twin(QWEN3_8B, lm.model)
+    hf_ms = hf_ar_step_ms(hf)
+    greedy = greedy_vs_hf(lm, draft, hf)
+    print(json.dumps(greedy), flush=True)
     bs1 = next(r for r in rows if r["batch"] == 1 and r["context"] == 1024)
     report = {
-        "device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "target_weight_bytes": t_bytes,
-        "draft_weight_bytes": d_bytes, "floor_ms_bs1": floor_ms, "spec_floor_ms_bs1": spec_floor_ms,
-        "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"], "hf_ar_step_ms_bs1": hf_ms,
-        "ar_ratio_to_floor_bs1": bs1["ar_step_ms"] / floor_ms, "spec_ratio_to_floor_bs1": bs1["spec_step_ms"] / spec_floor_ms,
-        "ar_speedup_vs_hf_bs1": hf_ms / bs1["ar_step_ms"], "table": rows,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9,
+        "target_weight_bytes": t_bytes, "draft_weight_bytes": d_bytes, "floor_ms_bs1": floor_ms,
+        "spec_floor_ms_bs1": spec_floor_ms, "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"],
+        "hf_ar_step_ms_bs1": hf_ms, "ar_ratio_to_floor_bs1": bs1["ar_step_ms"] / floor_ms,
+        "spec_ratio_to_floor_bs1": bs1["spec_step_ms"] / spec_floor_ms, "ar_speedup_vs_hf_bs1": hf_ms / bs1["ar_step_ms"],
+        "breakdown_bs1_ctx1k": parts, "end_to_end": e2e, "greedy_vs_hf_bf16": greedy, "table": rows,
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "table"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("table", "end_to_end", "greedy_vs_hf_bf16")}, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

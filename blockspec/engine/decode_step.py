@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec import rng
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling import SamplingRows, sample_rows
@@ -62,6 +63,7 @@ class DecodeStep:
         self.buffers: dict[tuple[int, int], DecodeBuffers] = {}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        self.forced_tau: float | None = None  # benchmark only (EngineConfig.bench_forced_tau)
 
     def eligible(self, scheduled: list) -> int | None:
         """K when every scheduled request decodes with K argmax drafts (or none) and the batch fits a bucket."""
@@ -131,6 +133,12 @@ class DecodeStep:
         graph.replay()
         return packed
 
+    def _forced_accept(self, buf: DecodeBuffers, K: int) -> torch.Tensor:
+        """Benchmark only: n per row with mean forced_tau - 1, pseudo-random by position (deterministic)."""
+        want = min(max(self.forced_tau - 1.0, 0.0), float(K))
+        u = rng.uniform(buf.seeds, buf.start, rng.STREAM_ACCEPT, 1)[:, 0]
+        return (int(want) + (u < want - int(want)).long()).clamp_max(K)
+
     def forward(self, buf: DecodeBuffers, rows: SamplingRows) -> torch.Tensor:
         r = self.runner
         lm, draft, pool = r.lm.model, r.draft, r.pool
@@ -146,6 +154,8 @@ class DecodeStep:
         chosen = sample_rows(out.logits, rows.repeat(K1), batch.positions + 1).view(B, K1)
         if K > 0:
             tokens, n = accept_tokens(buf.input_ids[:, 1:], chosen)
+            if self.forced_tau is not None:
+                tokens, n = chosen, self._forced_accept(buf, K)
         else:
             tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
         if draft is None:

@@ -55,6 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend,
                                   config.enforce_eager, config.max_num_seqs)
+        self.runner.decode.forced_tau = config.bench_forced_tau
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
