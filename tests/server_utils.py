@@ -3,8 +3,12 @@ DFlash drafter for it, and a real uvicorn server on a loopback port in a backgro
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
 import socket
 import string
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,7 +42,7 @@ def save_char_tokenizer(path: Path) -> None:
 
 def make_checkpoints(root: Path) -> tuple[Path, Path]:
     """A tiny llama target with the character tokenizer and a random 1-layer DFlash drafter (block 4, K = 3)."""
-    hf = make_hf_model("llama", seed=0)
+    hf = make_hf_model("llama", seed=0, initializer_range=0.3)  # wide logits: varied greedy text, no near-ties
     target = save_hf_model(hf, root / "target")
     save_char_tokenizer(target)
     make_zlab_draft(hf.config, root / "draft", layers=1, block_size=4, target_layer_ids=(0, 1),
@@ -46,9 +50,14 @@ def make_checkpoints(root: Path) -> tuple[Path, Path]:
     return target, root / "draft"
 
 
-def load_pair(target: Path, draft: Path):
+@functools.lru_cache(maxsize=None)
+def tiny_pair():
+    """(checkpoint dir, draft dir, loaded target, loaded drafter), built once per test process; do not modify."""
+    root = Path(tempfile.mkdtemp(prefix="blockspec-server-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    target, draft = make_checkpoints(root)
     lm = load_model(str(target), device="cpu")
-    return lm, load_draft(SpeculativeConfig(draft_model=str(draft)), lm)
+    return target, draft, lm, load_draft(SpeculativeConfig(draft_model=str(draft)), lm)
 
 
 class LiveServer:

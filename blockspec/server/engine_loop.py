@@ -133,8 +133,7 @@ class EngineLoop:
                 self._step()  # delivers the "abort" outputs
                 return
             if self.engine.has_unfinished() or flush:
-                flush = False
-                self._step()
+                flush = self._step()
 
     def _add(self, cmd: _Add) -> None:
         if self.closing:
@@ -164,7 +163,8 @@ class EngineLoop:
             self.engine.abort(rid)
         return bool(live)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, outputs delivered; True when requests were aborted and still owe their final output."""
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -179,7 +179,7 @@ class EngineLoop:
                 except Exception:
                     log.exception("abort of %s after a failed step failed", rid)
                 self._post(stream.queue.put_nowait, internal_error(stream.request_id))
-            return
+            return bool(owners)
         sched = self.engine.scheduler
         used = self.engine.pool.num_blocks - self.engine.blocks.num_free
         self.metrics.record_step(time.perf_counter() - t0, len(sched.waiting), len(sched.running), used)
@@ -188,6 +188,7 @@ class EngineLoop:
             owner = self._owners.pop(out.request_id, None) if out.finished else self._owners.get(out.request_id)
             if owner is not None:
                 self._post(owner[0].queue.put_nowait, (owner[1], out))
+        return False
 
 
 def _shutting_down() -> APIError:

@@ -60,7 +60,8 @@ class ResponseFormat:
         if not self.chat:
             return []
         return [self._sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}], chunk=True))
+                                           "logprobs": None, "finish_reason": None, "token_ids": []}],
+                                          chunk=True))
                 for i in range(n)]
 
     def chunk(self, index: int, text: str, token_ids: list[int], reason: str | None) -> str:
