@@ -63,7 +63,8 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     if temperature == 0.0:
         params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=max_tokens)
     else:
-        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens) for i in range(len(kept))]
+        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens)
+                  for i in range(len(kept))]
     t0 = time.perf_counter()
     outs = llm.generate(kept, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - t0

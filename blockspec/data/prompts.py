@@ -33,7 +33,8 @@ class PromptSet:
     files: list[PromptFile] = field(default_factory=list)
 
     def summary(self) -> list[dict[str, Any]]:
-        return [{"path": f.path, "records": f.num_records, "prompts": len(f.prompts), "note": f.note} for f in self.files]
+        return [{"path": f.path, "records": f.num_records, "prompts": len(f.prompts), "note": f.note}
+                for f in self.files]
 
 
 def record_prompts(obj: Any, where: str, first_turn_only: bool) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from blockspec.data.eval_prompts import EVAL_SETS
@@ -11,7 +12,8 @@ from blockspec.data.eval_prompts import EVAL_SETS
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="DFlash drafter (default with the bundled target: the bundled drafter)")
+    p.add_argument("--draft", default=None,
+                   help="DFlash drafter (default with the bundled target: the bundled drafter)")
     p.add_argument("--dataset", required=True, choices=EVAL_SETS)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
                                f"{args.dataset}: {Path(draft_src).name} on {lm.source.name}")
-    result = {**report.to_dict(), "model": args.model or "bundled", "draft": draft_src, "max_tokens": args.max_tokens,
+    result = {**asdict(report), "model": args.model or "bundled", "draft": draft_src, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
               "max_batch_size": args.max_batch_size, "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}

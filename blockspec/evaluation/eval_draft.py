@@ -4,9 +4,7 @@ one run of each through the batched engine."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Any
-
+from dataclasses import dataclass, replace
 from blockspec.config import EngineConfig
 from blockspec.engine.llm_engine import RequestOutput
 from blockspec.llm import LLM
@@ -36,11 +34,9 @@ class DraftEvalReport:
     speedup: float  # tokens_per_second / baseline_tokens_per_second
     outputs_identical: bool | None  # spec output == plain output for every prompt (None when sampling)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], use_tqdm: bool) -> tuple[list[RequestOutput], float]:
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                   use_tqdm: bool) -> tuple[list[RequestOutput], float]:
     """Generate after a short warm-up on the same engine (kernel compilation and graph capture happen there, not in
     the timed run); returns the outputs and the wall time of the timed run."""
     warm = [p[:WARMUP_TOKENS] for p in prompts[: llm.engine.config.max_num_seqs]]
@@ -67,8 +63,10 @@ def evaluate_draft(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]]
     # room for every running request's prompt, response and verify window: nothing is preempted mid-measurement
     per_request = max(map(len, prompts)) + params.max_tokens + k + 1 + EngineConfig.block_size  # + page rounding
     kv = min(max_num_seqs, len(prompts)) * per_request
-    engine = dict(max_num_seqs=max_num_seqs, kv_cache_tokens=kv, max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)))
-    per_prompt = params if params.greedy else [replace(params, seed=(params.seed or 0) + i) for i in range(len(prompts))]
+    engine = dict(max_num_seqs=max_num_seqs, kv_cache_tokens=kv,
+                  max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)))
+    per_prompt = params if params.greedy else [replace(params, seed=(params.seed or 0) + i)
+                                               for i in range(len(prompts))]
     plain, plain_s = timed_generate(LLM.from_loaded(lm, None, **engine), prompts, per_prompt, use_tqdm)
     spec, spec_s = timed_generate(LLM.from_loaded(lm, draft, **engine), prompts, per_prompt, use_tqdm)
     stats = acceptance_stats(spec, k)

@@ -1,0 +1,128 @@
+"""`blockspec eval-draft` on a tiny trained target + drafter (tests/trained_pair.py) given a word-level tokenizer and a
+chat template: the JSON report's acceptance numbers equal those of the single-request reference loop
+(blockspec.spec.single) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import blockspec.loading.bundled_draft as bundled_draft
+from blockspec.cli import main
+from blockspec.config import SpeculativeConfig
+from blockspec.data.eval_prompts import load_eval_prompts
+from blockspec.generate import generate
+from blockspec.loading.draft_loader import load_draft
+from blockspec.loading.loader import load_model
+from blockspec.sampling import SamplingParams
+from blockspec.spec.single import spec_generate
+from blockspec.train.export import save_draft
+from trained_pair import CYCLE_A, VOCAB, trained_pair
+
+KEYS = {"dataset", "num_prompts", "mean_acceptance_length", "per_position_acceptance", "tokens_per_second",
+        "baseline_tokens_per_second", "speedup"}
+LIMIT, MAX_TOKENS = 4, 40
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """The trained pair on disk: the target with a tokenizer whose chat template ends in the start of a learned cycle
+    (so the drafter has something to predict after any prompt), and the trained drafter."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pair = trained_pair()
+    root = tmp_path_factory.mktemp("eval_pair")
+    target = Path(shutil.copytree(pair.lm.source.path, root / "target"))
+    config = json.loads((Path(pair.lm.source.path).parent / "draft" / "config.json").read_text())
+    draft = save_draft(pair.draft.model, config, root / "draft", dtype=torch.float32)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB - 1)}}  # VOCAB - 1: the mask
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    start = " ".join(f"t{t}" for t in CYCLE_A[:5])
+    fast.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}"
+                          "{% if add_generation_prompt %} " + start + "{% endif %}")
+    fast.save_pretrained(str(target))
+    return target, draft
+
+
+def eval_draft(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["eval-draft", "--device", "cpu", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_eval_draft_json_matches_reference_loop(pair_dirs, tmp_path, capsys):
+    target, draft_dir = pair_dirs
+    rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "mtbench",
+                              "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS), "--out-dir", str(tmp_path),
+                              "--json")
+    assert rc == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert KEYS <= set(report)
+    assert report["dataset"] == "mtbench" and report["num_prompts"] == LIMIT and report["outputs_identical"] is True
+    assert json.loads((tmp_path / "mtbench-report.json").read_text()) == report
+
+    # the same prompts through the reference loops, one request at a time
+    lm = load_model(str(target), device="cpu")
+    draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir)), lm)
+    k = draft.spec.num_draft_tokens
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    lens, accepted, tokens = [], [], 0
+    for text in load_eval_prompts("mtbench", LIMIT):
+        ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        ref = spec_generate(lm, draft, ids, params)
+        assert ref.token_ids == generate(lm, ids, params).token_ids
+        lens += ref.acceptance_lengths
+        accepted += [s["num_accepted"] for s in ref.steps]
+        tokens += len(ref.token_ids)
+    assert report["num_draft_tokens"] == k and report["num_verify_steps"] == len(lens)
+    assert report["generated_tokens"] == report["baseline_generated_tokens"] == tokens
+    assert report["mean_acceptance_length"] == pytest.approx(sum(lens) / len(lens))
+    assert report["per_position_acceptance"] == pytest.approx([sum(a >= i for a in accepted) / len(accepted)
+                                                               for i in range(1, k + 1)])
+    counts = Counter(lens)
+    assert report["acceptance_histogram"] == [counts[n] for n in range(1, k + 2)]
+    assert report["mean_acceptance_length"] > 1.5  # the drafter predicts the cycle (measured 1.81)
+    assert report["speedup"] == pytest.approx(report["tokens_per_second"] / report["baseline_tokens_per_second"])
+
+    png = Path(report["png"]).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (1100, 400)  # figsize 11 x 4 inches at 100 dpi
+
+
+def test_eval_draft_table(pair_dirs, tmp_path, capsys):
+    target, draft_dir = pair_dirs
+    rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "gsm8k",
+                              "--limit", "2", "--max-tokens", "8", "--num-draft-tokens", "3",
+                              "--out-dir", str(tmp_path))
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "eval-draft gsm8k: 2 prompts, max 8 new tokens, temperature 0.0, K=3, batch 1"
+    assert lines[-2] == "outputs identical to no-spec: True"
+    assert any(line.startswith("speedup: ") for line in lines)
+    assert lines[-1] == f"acceptance plot: {tmp_path}/gsm8k-acceptance.png   report: {tmp_path}/gsm8k-report.json"
+    assert (tmp_path / "gsm8k-acceptance.png").is_file()
+
+
+def test_eval_draft_errors(pair_dirs, tmp_path, capsys, monkeypatch):
+    target, _ = pair_dirs
+    rc, _, err = eval_draft(capsys, "--model", str(target), "--dataset", "mbpp")
+    assert rc == 2
+    assert err == "blockspec: error: --model needs --draft (the bundled drafter is for the bundled target only)\n"
+    monkeypatch.setattr(bundled_draft, "BUNDLED_DRAFT_DIR", tmp_path / "absent")
+    rc, _, err = eval_draft(capsys, "--dataset", "humaneval")
+    assert rc == 2
+    assert err == (f"blockspec: error: the bundled SmolLM2-135M-Instruct DFlash drafter is not available: "
+                   f"{tmp_path}/absent lacks config.json and model.safetensors. Pass a drafter with --draft DIR "
+                   f"(e.g. one trained with `blockspec train-draft`)\n")
