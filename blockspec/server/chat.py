@@ -1,0 +1,98 @@
+"""`blockspec chat`: an interactive conversation in the terminal. The engine runs in this process; replies are
+streamed as they are decoded and followed by a status line (tokens, tok/s, tau, finish reason)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from blockspec.server.engine_args import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--system", default=None, help="system message that opens every conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _reply(llm, prompt_ids: list[int], params) -> tuple[str, object, float]:
+    """Stream one reply to stdout; returns its text, the final RequestOutput and the seconds it took."""
+    from blockspec.server.detok import IncrementalDecoder
+
+    engine, decoder = llm.engine, IncrementalDecoder(llm.tokenizer)
+    rid = engine.add_request(prompt_ids, params)
+    text, final, t0 = "", None, time.perf_counter()
+    try:
+        while final is None:
+            for out in engine.step():
+                piece = decoder.push(out.new_token_ids)
+                text += piece
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if out.finished:
+                    final = out
+    except KeyboardInterrupt:  # stop this reply, keep the conversation
+        engine.abort(rid)
+        while final is None:
+            final = next((o for o in engine.step() if o.finished), None)
+    return text, final, time.perf_counter() - t0
+
+
+def _status(final, seconds: float) -> str:
+    n = len(final.token_ids)
+    parts = [f"{n} tokens", f"{n / seconds:.1f} tok/s" if seconds > 0 else "-"]
+    if final.mean_acceptance_length is not None:
+        parts.append(f"tau {final.mean_acceptance_length:.2f}")
+    return f"[{', '.join(parts)}, finish: {final.finish_reason}]"
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockspec.errors import BlockspecError
+    from blockspec.sampling import SamplingParams
+    from blockspec.server.engine_args import build_llm
+
+    if args.max_tokens < 1:
+        raise BlockspecError(f"--max-tokens={args.max_tokens} must be >= 1")
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)  # validate
+    llm = build_llm(args)
+    tok = llm.tokenizer
+    if tok is None or not tok.has_chat_template:
+        raise BlockspecError(f"{llm.lm.source.name} has no chat template: `blockspec chat` needs a chat model")
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    print(f"blockspec chat with {llm.lm.source.name}: {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            history = list(opening)
+            continue
+        if not command:
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.apply_chat_template(history)
+        room = llm.engine.max_model_len - len(ids)
+        if room < 1:
+            history.pop()
+            print(f"the conversation has {len(ids)} tokens and the context is {llm.engine.max_model_len}: "
+                  f"/reset to start over", file=sys.stderr)
+            continue
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                max_tokens=min(args.max_tokens, room))
+        text, final, seconds = _reply(llm, ids, params)
+        history.append({"role": "assistant", "content": text})
+        print(file=sys.stdout, flush=True)
+        print(_status(final, seconds), file=sys.stderr, flush=True)

@@ -1,0 +1,100 @@
+"""The command lines: `blockspec serve` as a real process (ready line, requests with the official client, SIGTERM
+while a stream is running: the stream ends with finish_reason "abort", the lifespan completes, the process ends), its flag errors, and
+`blockspec chat` fed from stdin (replies equal offline greedy outputs over the whole conversation, status line)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from blockspec.cli import main
+from blockspec.llm import LLM
+from blockspec.sampling import SamplingParams
+from hf_utils import make_hf_model, save_hf_model
+from server_utils import tiny_pair
+
+
+def test_serve_process_answers_then_shuts_down_on_sigterm():
+    target, draft, lm, d = tiny_pair()
+    ref = LLM.from_loaded(lm, d).generate(["Hello"], SamplingParams(max_tokens=10), use_tqdm=False)[0]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockspec", "serve", str(target), "--draft", str(draft), "--port", "0",
+         "--served-model-name", "tiny", "--device", "cpu", "--log-level", "info"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "BLOCKSPEC_API_KEY": "k"},
+    )
+    try:
+        lines = [proc.stderr.readline()]
+        while not lines[-1].startswith("blockspec: serving") and lines[-1]:
+            lines.append(proc.stderr.readline())
+        m = re.fullmatch(r"blockspec: serving 'tiny' on (http://127\.0\.0\.1:\d+/v1)\n", lines[-1])
+        assert m, lines
+        client = openai.OpenAI(base_url=m.group(1), api_key="k", max_retries=0, timeout=60)
+        resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0)
+        assert resp.choices[0].token_ids == ref.token_ids
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=m.group(1), api_key="nope", max_retries=0).models.list()
+        stream = client.completions.create(model="tiny", prompt="long", max_tokens=480, temperature=0, stream=True)
+        next(iter(stream))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        reasons = [c.finish_reason for ch in stream for c in ch.choices if c.finish_reason]
+        assert reasons == ["abort"]
+        # uvicorn re-raises the signal once its shutdown (lifespan included: the engine thread joined) is complete
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert time.monotonic() - t0 < 15
+        log = proc.stderr.read()
+        assert "Application shutdown complete." in log and "Traceback" not in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_serve_flag_errors(capsys):
+    target, draft, _, _ = tiny_pair()
+    assert main(["serve", str(target), "--model", "other"]) == 2
+    assert capsys.readouterr().err == (f"blockspec: error: two models given: {str(target)!r} and --model 'other'; "
+                                       f"pass one\n")
+    assert main(["serve", str(target), "--num-draft-tokens", "3"]) == 2
+    assert capsys.readouterr().err == "blockspec: error: --num-draft-tokens and --probabilistic-drafting need --draft\n"
+    assert main(["serve", str(target), "--port", "99999"]) == 2
+    assert "blockspec: error: cannot listen on 127.0.0.1:99999" in capsys.readouterr().err
+
+
+def test_chat_streams_replies_over_a_conversation(monkeypatch, capsys):
+    target, draft, lm, d = tiny_pair()
+    tok = lm.tokenizer
+    offline = LLM.from_loaded(lm, d)
+
+    def reply(messages):
+        out = offline.generate([tok.apply_chat_template(messages)], SamplingParams(max_tokens=12), use_tqdm=False)[0]
+        return tok.decode(out.token_ids)
+
+    sys_msg = {"role": "system", "content": "Be nice."}
+    first = reply([sys_msg, {"role": "user", "content": "Hi"}])
+    second = reply([sys_msg, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
+                    {"role": "user", "content": "More"}])
+    fresh = reply([sys_msg, {"role": "user", "content": "More"}])
+    assert len({first, second, fresh}) == 3
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nMore\n\n/reset\nMore\n/exit\nnever read\n"))
+    assert main(["chat", str(target), "--draft", str(draft), "--device", "cpu", "--max-tokens", "12",
+                 "--system", "Be nice."]) == 0
+    out, err = capsys.readouterr()
+    assert out == f">>> {first}\n>>> {second}\n>>> >>> >>> {fresh}\n>>> "
+    status = re.findall(r"\[(\d+) tokens, [\d.]+ tok/s, tau ([\d.]+), finish: (\w+)\]", err)
+    assert [s[0] for s in status] == ["12", "12", "12"] and all(float(s[1]) >= 1 for s in status)
+
+
+def test_chat_needs_a_chat_model(tmp_path, capsys):
+    plain = save_hf_model(make_hf_model("llama"), tmp_path / "plain")  # no tokenizer files
+    assert main(["chat", str(plain), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.endswith(f"blockspec: error: {plain} has no chat template: `blockspec chat` "
+                                            f"needs a chat model\n")
