@@ -59,16 +59,21 @@ def save_draft(model: DFlashDraftModel, config: dict[str, Any], out_dir: str | P
     return out
 
 
-def init_draft(target: ModelConfig, out_dir: str | Path, num_layers: int = 1, block_size: int = 16,
-               mask_token_id: int | None = None, seed: int = 0, **kw: Any) -> Path:
-    """A randomly initialized drafter for `target` (the starting point of training, or a benchmark stand-in)."""
-    mask = mask_token_id if mask_token_id is not None else target.vocab_size - 1
-    cfg = draft_config_dict(target, num_layers, block_size, mask, **kw)
-    dcfg = DFlashConfig.from_hf(cfg, "init_draft")
+def random_draft(config: dict[str, Any], seed: int = 0) -> DFlashDraftModel:
+    """A randomly initialized fp32 drafter for a draft_config_dict: weight matrices N(0, 0.02), norms at 1."""
+    dcfg = DFlashConfig.from_hf(config, "init_draft")
     torch.manual_seed(seed)
     model = DFlashDraftModel(dcfg, num_taps=len(dcfg.target_layer_ids or []))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.02)
-    return save_draft(model, cfg, out_dir, dtype=torch.float32)
+    return model
+
+
+def init_draft(target: ModelConfig, out_dir: str | Path, num_layers: int = 1, block_size: int = 16,
+               mask_token_id: int | None = None, seed: int = 0, **kw: Any) -> Path:
+    """A randomly initialized drafter for `target` (the starting point of training, or a benchmark stand-in)."""
+    mask = mask_token_id if mask_token_id is not None else target.vocab_size - 1
+    cfg = draft_config_dict(target, num_layers, block_size, mask, **kw)
+    return save_draft(random_draft(cfg, seed), cfg, out_dir, dtype=torch.float32)

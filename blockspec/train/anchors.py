@@ -1,0 +1,58 @@
+"""Where draft blocks are anchored in a training sequence, and how much each block slot's loss weighs.
+
+A block anchored at position a has ids [x_a, MASK x (B-1)] at positions a..a+B-1 and slot k (1..B-1) is labelled
+x_{a+k}, exactly the situation of inference where x_a is the bonus token at position `start` (DFLASH.md section 5).
+
+Tail rule: an anchor must be a response token (loss_mask) with a <= L - B, so every block lies inside its sequence
+(the last response token is still a label: slot B-1 of the block anchored at L - B). A label is used only where
+loss_mask is true, so a block that runs from one response into the next user turn is cut at the boundary."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from blockspec.errors import ConfigError
+
+# The paper's decay constants: gamma 7 / 5 / 4 for blocks of 16 / 10 / 8.
+_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's gamma for B in {8, 10, 16}; other B: piecewise-linear through those points, extended with the
+    slope of the nearest segment, at least 1."""
+    pts = _GAMMA_POINTS
+    if block_size <= pts[1][0]:
+        (b0, g0), (b1, g1) = pts[0], pts[1]
+    else:
+        (b0, g0), (b1, g1) = pts[1], pts[2]
+    return max(1.0, g0 + (block_size - b0) * (g1 - g0) / (b1 - b0))
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] loss weight of each block slot: 0 for slot 0 (the given token), exp(-(k-1)/gamma) for slot k >= 1."""
+    if gamma <= 0 or not math.isfinite(gamma):
+        raise ConfigError(f"loss gamma={gamma} must be a positive number")
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def eligible_anchors(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n] int64: response positions a with a + block_size <= L, ascending."""
+    return torch.nonzero(loss_mask[: max(len(loss_mask) - block_size + 1, 0)]).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to num_anchors distinct eligible anchors, drawn uniformly without replacement, returned ascending (sorted
+    anchors keep a sequence's blocks in context order, which makes the attention mask block-sparse)."""
+    pool = eligible_anchors(loss_mask, block_size)
+    if len(pool) > num_anchors:
+        pool = pool[torch.randperm(len(pool), generator=gen)[:num_anchors]].sort().values
+    return pool
+
+
+def num_anchors_of(loss_mask: torch.Tensor, block_size: int, num_anchors: int) -> int:
+    return min(num_anchors, len(eligible_anchors(loss_mask, block_size)))

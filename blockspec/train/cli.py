@@ -1,0 +1,166 @@
+"""`blockspec train-draft`: train a DFlash drafter for a target (data from prompts or pre-built shards)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", nargs="+", metavar="FILE", help="prompt files: the target writes the responses "
+                     "into OUT/data first (reused if it exists); formats as for `blockspec draft-data`")
+    src.add_argument("--data", help="pre-built training data directory (`blockspec draft-data`)")
+    p.add_argument("--out", required=True, help="output directory: the drafter (config.json + model.safetensors), "
+                   "checkpoint.pt, train_log.jsonl, train_report.json")
+    g = p.add_argument_group("drafter (new drafters only; --init takes all of these from its config)")
+    g.add_argument("--init", default=None, metavar="DIR", help="continue from an exported drafter")
+    g.add_argument("--draft-layers", type=int, default=None, help="draft decoder layers (default 5)")
+    g.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
+    g.add_argument("--target-layer-ids", type=_ids, default=None, help="tapped target layers, e.g. 1,8,14,20,27 "
+                   "(default: 5 spread over the depth)")
+    g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--mask-token-id", type=int, default=None, help="default: the last vocabulary id")
+    t = p.add_argument_group("training")
+    t.add_argument("--num-anchors", type=int, default=512, help="anchor blocks per sequence (at most)")
+    t.add_argument("--epochs", type=int, default=6)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--batch-anchors", type=int, default=4096, help="anchor blocks per micro-batch")
+    t.add_argument("--batch-tokens", type=int, default=None, help="target tokens per micro-batch (default: from "
+                   "the data's tokens per anchor)")
+    t.add_argument("--max-seq-len", type=int, default=3072, help="longer sequences are cut")
+    t.add_argument("--loss-gamma", type=float, default=None, help="slot weight decay (default 7/5/4 for B 16/10/8)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (resumable; the LR "
+                   "schedule still spans all epochs)")
+    t.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto",
+                   help="flex (CUDA default) or exact per-sequence SDPA (CPU default)")
+    e = p.add_argument_group("evaluation (real tau with the engine, greedy)")
+    e.add_argument("--eval-prompts", default=None, metavar="FILE", help="text lines or JSONL with prompt/prompt_ids")
+    e.add_argument("--eval-set", default="gsm8k", help="shipped evaluation set when --eval-prompts is not given "
+                   "(always excluded from training data)")
+    e.add_argument("--eval-num-prompts", type=int, default=8, help="0 disables evaluation")
+    e.add_argument("--eval-every", type=int, default=1000, help="optimizer steps between evaluations (0: at the end)")
+    e.add_argument("--eval-max-tokens", type=int, default=256)
+    d = p.add_argument_group("data generation (--prompts)")
+    d.add_argument("--gen-max-tokens", type=int, default=1024, help="longest regenerated response")
+    d.add_argument("--prompt-limit", type=int, default=None, help="use only the first N prompts")
+    d.add_argument("--no-chat", action="store_true", help="do not apply the chat template (prompts and eval)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="target dtype (default: bfloat16 on CUDA, float32 on CPU); the drafter trains in fp32 "
+                        "master weights with bf16 autocast on CUDA")
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockspec.data.shards import read_shards
+    from blockspec.errors import BlockspecError
+    from blockspec.loading.loader import load_model
+    from blockspec.train.config import TrainConfig
+    from blockspec.train.dataset import prepare
+    from blockspec.train.setup import DraftShape, draft_from, new_draft
+    from blockspec.train.trainer import train
+
+    cfg = TrainConfig(
+        num_anchors=args.num_anchors, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, grad_accum=args.grad_accum,
+        batch_anchors=args.batch_anchors, batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len,
+        seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, save_every=args.save_every,
+        eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens, attention=args.attention,
+    )
+    if args.eval_num_prompts < 0:
+        raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
+    shape_flags = {"--draft-layers": args.draft_layers, "--block-size": args.block_size,
+                   "--target-layer-ids": args.target_layer_ids, "--intermediate-size": args.intermediate_size,
+                   "--mask-token-id": args.mask_token_id}
+    if args.init is not None and any(v is not None for v in shape_flags.values()):
+        given = [k for k, v in shape_flags.items() if v is not None]
+        raise BlockspecError(f"{', '.join(given)} cannot be combined with --init (the drafter's shape comes from "
+                             f"{args.init}/config.json)")
+    lm = load_model(args.target, device=args.device, dtype=args.dtype)
+    device = next(lm.model.parameters()).device
+    eval_prompts = _eval_prompts(lm, args)
+    out = Path(args.out)
+    data_dir = Path(args.data) if args.data is not None else _generate(lm, args, out / "data")
+    seqs = read_shards(data_dir)
+    top = max(int(s.input_ids.max()) for s in seqs if len(s.input_ids))
+    if top >= lm.config.vocab_size:
+        raise BlockspecError(f"{data_dir}: token id {top} is outside the target's vocabulary "
+                             f"[0, {lm.config.vocab_size}): the data was made for another target")
+    if args.init is not None:
+        setup = draft_from(lm, args.init, device)
+    else:
+        shape = DraftShape(**{k: v for k, v in {
+            "num_layers": args.draft_layers, "block_size": args.block_size, "target_layer_ids": args.target_layer_ids,
+            "intermediate_size": args.intermediate_size, "mask_token_id": args.mask_token_id}.items() if v is not None})
+        setup = new_draft(lm, shape, args.seed, device)
+    data = prepare(seqs, cfg, setup.model.config.block_size, str(data_dir))
+    report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume)
+    tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
+    print(f"trained {report['steps']} steps on {report['target_tokens']} target tokens in {report['train_time_s']}s "
+          f"({report['tokens_per_s']} tokens/s){tau}; drafter written to {out}", file=sys.stderr)
+    return 0
+
+
+def _generate(lm, args: argparse.Namespace, data_dir: Path) -> Path:
+    """OUT/data from --prompts (the target regenerates every response), unless an earlier run already wrote it."""
+    if (data_dir / "manifest.json").is_file():
+        print(f"reusing training data in {data_dir}", file=sys.stderr)
+        return data_dir
+    from blockspec.data.builder import build_dataset
+    from blockspec.data.prompts import read_prompts
+    from blockspec.errors import BlockspecError
+
+    if args.prompt_limit is not None and args.prompt_limit < 1:
+        raise BlockspecError(f"--prompt-limit must be >= 1, got {args.prompt_limit}")
+    found = read_prompts(args.prompts)
+    build_dataset(lm, found.prompts[: args.prompt_limit], data_dir, max_tokens=args.gen_max_tokens,
+                  chat=not args.no_chat, seed=args.seed, meta={"prompt_files": found.summary()})
+    return data_dir
+
+
+def _eval_prompts(lm, args: argparse.Namespace) -> list[list[int]]:
+    """Held-out prompts as token ids: the first N of --eval-prompts, or of the shipped --eval-set."""
+    from blockspec.errors import BlockspecError
+
+    n = args.eval_num_prompts
+    if n == 0:
+        return []
+    tok, chat = lm.tokenizer, not args.no_chat
+    if args.eval_prompts is not None:
+        from blockspec.prompts_file import read_prompts_file
+
+        specs = read_prompts_file(args.eval_prompts)[:n]
+        texts = [s.prompt for s in specs if s.prompt is not None]
+        if texts and tok is None:
+            raise BlockspecError(f"{args.eval_prompts}: text prompts need a tokenizer, and the target has none; "
+                                 f"use prompt_ids")
+        encoded = iter(_encode(tok, texts, chat))
+        return [s.prompt_ids if s.prompt_ids is not None else next(encoded) for s in specs]
+    if tok is None:
+        raise BlockspecError("the target has no tokenizer: give --eval-prompts with prompt_ids, or "
+                             "--eval-num-prompts 0")
+    from blockspec.data.eval_prompts import load_eval_prompts
+
+    return _encode(tok, load_eval_prompts(args.eval_set, n), chat)
+
+
+def _encode(tok, texts: list[str], chat: bool) -> list[list[int]]:
+    if chat and tok.has_chat_template:
+        return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return [tok.encode(t) for t in texts]

@@ -1,0 +1,68 @@
+"""One training forward of a micro-batch: frozen target pass (taps of every position) -> draft context K/V of every
+position -> all blocks through the draft's own layers -> weighted CE through the target's frozen lm_head.
+
+Nothing here re-implements the draft: context_kv, the layers and the final norm are DFlashDraftModel's, driven with
+a training DraftAttentionFn, so training and inference cannot drift apart (tests/test_train_parity.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.train.attention import BlockTrainingAttention, FlexState, PackedCausalAttention
+from blockspec.train.batches import Capacity, MicroBatch
+from blockspec.train.loss import BlockLoss
+
+
+@dataclass
+class ForwardResult:
+    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (differentiable)
+    hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
+    slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row
+
+
+class TrainingForward:
+    """target: the loaded target module (frozen here); draft: the model being trained. attention "flex" needs a
+    padded capacity (Capacity.pad) and CUDA for speed; "sdpa" is exact, one sequence at a time."""
+
+    def __init__(self, target: nn.Module, draft: DFlashDraftModel, tap_layers: list[int], cap: Capacity,
+                 attention: str, compiled: bool) -> None:
+        self.target, self.draft, self.tap_layers, self.cap = target, draft, tap_layers, cap
+        target.requires_grad_(False)
+        self.device = target.embed_tokens.weight.device
+        cuda = self.device.type == "cuda"
+        # bf16 autocast on CUDA (fp32 master weights); exact fp32 on CPU
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        cfg = draft.config
+        kinds = sorted({(c, w) for c, w in zip(cfg.layer_causal, cfg.layer_window)}, key=str)
+        self.flex = FlexState(cap, kinds, self.device, compiled=compiled) if attention == "flex" else None
+        self.loss = BlockLoss(cfg, target.lm_head.weight, compiled=compiled)
+
+    @torch.no_grad()
+    def taps(self, mb: MicroBatch, block_mask=None) -> torch.Tensor:
+        """[T, num_taps * H]: the target's residual streams after the tapped layers, every position."""
+        no_logits = torch.zeros(0, dtype=torch.long, device=self.device)
+        out = self.target(mb.input_ids, mb.positions, PackedCausalAttention(mb, self.flex, block_mask),
+                          tap_layers=self.tap_layers, logit_rows=no_logits)
+        return out.taps
+
+    def hidden(self, mb: MicroBatch, taps: torch.Tensor, block_masks: dict | None = None) -> torch.Tensor:
+        """[Q, H] final-normed draft hidden state of every block row."""
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
+            ctx_kv = self.draft.context_kv(taps.to(self.dtype), mb.positions)
+            with torch.no_grad():
+                # in the compute dtype, so the residual stream never matches the fp32 norm weights' dtype (on CUDA
+                # RMSNorm takes a forward-only kernel when they match)
+                embeds = self.target.embed_tokens(mb.block_ids).to(self.dtype)
+            attn = BlockTrainingAttention(mb, ctx_kv, self.cap.block_size, self.dtype, self.flex, block_masks)
+            return self.draft(embeds, mb.block_pos, attn)
+
+    def __call__(self, mb: MicroBatch) -> ForwardResult:
+        target_mask, draft_masks = self.flex.load(mb) if self.flex is not None else (None, None)
+        hidden = self.hidden(mb, self.taps(mb, target_mask), draft_masks)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
+            total, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
+        return ForwardResult(total, hits, mb.loss_rows % self.cap.block_size)

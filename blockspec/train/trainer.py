@@ -1,0 +1,200 @@
+"""The drafter training loop: AdamW + warmup/cosine, gradient accumulation and clipping, checkpoint/resume, a progress
+bar with loss and per-slot accuracy, periodic tau evaluation with the engine, export in the z-lab format, a report."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from blockspec.loading.loader import LoadedModel
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.train.anchors import default_gamma, slot_weights
+from blockspec.train.batches import build_micro_batch, generator
+from blockspec.train.checkpoint import Progress, load_checkpoint, save_checkpoint
+from blockspec.train.config import TrainConfig
+from blockspec.train.dataset import TrainingSet, capacity, plan_epochs
+from blockspec.train.evaluate import evaluate_tau
+from blockspec.train.export import save_draft
+from blockspec.train.forward import TrainingForward
+
+REPORT = "train_report.json"
+LOG = "train_log.jsonl"
+
+
+@dataclass
+class DraftSetup:
+    """The drafter being trained: fp32 master weights on the training device, and its z-lab config.json."""
+
+    model: DFlashDraftModel
+    config: dict[str, Any]
+    tap_layers: list[int]  # the target layers whose residual streams the drafter reads
+    mask_token_id: int
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=params[0].is_cuda)
+    warmup = round(cfg.warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:  # linear warmup, then cosine from 1 to 0 over the remaining steps
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class Window:
+    """Loss and per-slot accuracy summed over the steps since the last log line (device tensors: no syncs)."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.B, self.device = block_size, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.weight = 0.0
+        self.hits = torch.zeros(self.B, device=self.device)
+        self.count = torch.zeros(self.B, device=self.device)
+        self.tokens, self.steps, self.t0 = 0, 0, time.perf_counter()
+
+    def summary(self) -> dict[str, Any]:
+        acc = (self.hits / self.count.clamp(min=1))[1:].tolist()
+        dt = time.perf_counter() - self.t0
+        return {"loss": self.loss.item() / max(self.weight, 1e-12), "acc": [round(a, 4) for a in acc],
+                "acc_mean": sum(acc) / len(acc), "tokens_per_s": self.tokens / dt if dt > 0 else 0.0}
+
+
+def _check_grads(model: torch.nn.Module) -> None:
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:  # a training-path bug (e.g. a forward-only kernel): fail loudly instead of training half a model
+        raise RuntimeError(f"no gradient reached {', '.join(missing)}")
+
+
+def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfig, out_dir: str | Path,
+          eval_prompts: list[list[int]] | None = None, resume: bool = False, use_tqdm: bool = True) -> dict[str, Any]:
+    """Train setup.model in place on `data`; write checkpoints, the exported drafter and a report into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = setup.model
+    device = next(model.parameters()).device
+    B = model.config.block_size
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    cap = capacity(data, cfg, B, pad=attention == "flex")
+    plans = plan_epochs(data, cap, cfg)
+    total_steps = sum(math.ceil(len(p) / cfg.grad_accum) for p in plans)
+    optimizer, scheduler = make_optimizer(model, cfg, total_steps)
+    progress = Progress()
+    if resume:
+        ckpt = load_checkpoint(out, cfg, setup.config, device)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        progress = ckpt["progress"]
+    fwd = TrainingForward(lm.model, model, setup.tap_layers, cap, attention, compiled=device.type == "cuda")
+    w_slot = slot_weights(B, cfg.loss_gamma or default_gamma(B))
+    params = [p for p in model.parameters() if p.requires_grad]
+    window = Window(B, device)
+    stop_at = min(total_steps, cfg.max_steps or total_steps)
+    log = (out / LOG).open("a")
+    bar = tqdm(total=stop_at, initial=min(progress.step, stop_at), desc="train-draft", unit="step",
+               disable=not use_tqdm, dynamic_ncols=True)
+
+    def evaluate() -> None:
+        if eval_prompts:
+            t0 = time.perf_counter()
+            result = evaluate_tau(lm, model, eval_prompts, cfg.eval_max_tokens)
+            progress.eval_time_s += time.perf_counter() - t0
+            progress.evals.append({"step": progress.step, **result})
+            bar.write(f"step {progress.step}: tau {result['tau']:.3f} on {len(eval_prompts)} held-out prompts")
+
+    shown: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    while progress.step < stop_at:
+        plan = plans[progress.epoch]
+        group = range(progress.micro, min(progress.micro + cfg.grad_accum, len(plan)))
+        mbs = [build_micro_batch([data.seqs[i] for i in plan[j]], cap, cfg.num_anchors, setup.mask_token_id, w_slot,
+                                 generator(cfg.seed, 1, progress.epoch, j)) for j in group]
+        total_w = sum(float(mb.weights.sum()) for mb in mbs)  # the step's loss is one weighted mean over all of them
+        step_loss = torch.zeros((), device=device)
+        for mb in mbs:
+            r = fwd(mb.to(device))
+            (r.loss_sum / total_w).backward()
+            step_loss += r.loss_sum.detach()
+            window.hits += torch.bincount(r.slots[r.hits], minlength=B)
+            window.count += torch.bincount(r.slots, minlength=B)
+            window.tokens += mb.num_tokens
+            progress.tokens += mb.num_tokens
+            progress.blocks += mb.num_blocks
+        if progress.step == 0:
+            _check_grads(model)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.loss += step_loss
+        window.weight += total_w
+        window.steps += 1
+        progress.step += 1
+        progress.micro = group.stop
+        if progress.micro >= len(plan):
+            progress.epoch, progress.micro = progress.epoch + 1, 0
+        shown.update(loss=f"{step_loss.item() / total_w:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
+                     epoch=progress.epoch)  # the one host sync per step
+        done = progress.step >= stop_at
+        if progress.step % cfg.log_every == 0 or done:
+            now = time.perf_counter()
+            progress.train_time_s += now - t_start
+            t_start = now
+            s = window.summary()
+            progress.last_log = {"step": progress.step, "lr": scheduler.get_last_lr()[0], **s}
+            log.write(json.dumps(progress.last_log) + "\n")
+            log.flush()
+            # accuracy of the draft argmax per block slot over the window: mean, slot 1, slot B-1
+            shown.update(acc=f"{s['acc_mean']:.3f}", acc1=f"{s['acc'][0]:.3f}", accK=f"{s['acc'][-1]:.3f}",
+                         tok_s=f"{s['tokens_per_s']:.0f}")
+            window.reset()
+        bar.set_postfix(shown, refresh=False)
+        bar.update(1)
+        if cfg.eval_every and progress.step % cfg.eval_every == 0 and not done:
+            evaluate()
+            t_start = time.perf_counter()
+        if progress.step % cfg.save_every == 0 or done:
+            save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config)
+    bar.close()
+    log.close()
+    if not progress.evals or progress.evals[-1]["step"] != progress.step:
+        evaluate()
+    save_draft(model, setup.config, out)
+    save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config)
+    report = _report(progress, cfg, data, cap, total_steps, attention, device)
+    (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _report(progress: Progress, cfg: TrainConfig, data: TrainingSet, cap, total_steps: int, attention: str,
+            device: torch.device) -> dict[str, Any]:
+    t = progress.train_time_s
+    return {
+        "steps": progress.step, "planned_steps": total_steps, "epoch": progress.epoch, "micro_batch": progress.micro,
+        "target_tokens": progress.tokens, "anchor_blocks": progress.blocks,
+        "train_time_s": round(t, 2), "eval_time_s": round(progress.eval_time_s, 2),
+        "tokens_per_s": round(progress.tokens / t, 1) if t > 0 else None,
+        "blocks_per_s": round(progress.blocks / t, 1) if t > 0 else None,
+        "gpu_minutes": round((t + progress.eval_time_s) / 60, 2) if device.type == "cuda" else None,
+        "final": progress.last_log, "evals": progress.evals,
+        "tau": progress.evals[-1]["tau"] if progress.evals else None,
+        "data": {"sequences": len(data.seqs), "tokens": data.num_tokens, "anchors_per_epoch": sum(data.anchors),
+                 "dropped_without_anchor": data.num_dropped, "cut_to_max_seq_len": data.num_cut},
+        "micro_batch_capacity": {"tokens": cap.tokens, "anchors": cap.anchors, "padded": cap.pad},
+        "attention": attention, "device": str(device), "torch": torch.__version__, "config": cfg.to_dict(),
+    }

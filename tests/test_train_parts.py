@@ -1,0 +1,198 @@
+"""Drafter-training pieces against their definitions: the block mask (hand-checked), anchors (property test), slot
+weights, the chunked loss (against autograd through compute_logits), FlexAttention against SDPA, and the training
+forward against the inference draft path (parity)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from blockspec.attention.dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
+from blockspec.data.shards import TokenSequence
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.dflash_config import DFlashConfig
+from blockspec.train.anchors import default_gamma, sample_anchors, slot_weights
+from blockspec.train.attention import BlockTrainingAttention, FlexState, PackedCausalAttention, draft_layout
+from blockspec.train.batches import Capacity, build_micro_batch, generator
+from blockspec.train.export import draft_config_dict, random_draft
+from blockspec.train.forward import TrainingForward
+from blockspec.train.loss import BlockLoss
+from test_train_common import MASK, random_sequences, tiny_target
+
+
+def _seq(ids: list[int], mask: list[int]) -> TokenSequence:
+    return TokenSequence(torch.tensor(ids), torch.tensor(mask, dtype=torch.bool))
+
+
+def _rows(text: str) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in row] for row in text.split()])
+
+
+# Sequence 0: 5 tokens, the only possible anchor is 2 (response from 2, a <= 5 - 3); sequence 1: 4 tokens, anchor 1.
+# Keys: context of seq 0 (positions 0-4), of seq 1 (positions 0-3), then the 6 block rows (seq 0 block at positions
+# 2,3,4, seq 1 block at positions 1,2,3).
+HAND_SEQS = [_seq([10, 11, 12, 13, 14], [0, 0, 1, 1, 1]), _seq([20, 21, 22, 23], [0, 1, 1, 0])]
+HAND_MASKS = {
+    (False, None): """110000000111000 110000000111000 110000000111000
+                      000001000000111 000001000000111 000001000000111""",
+    # causal, window 2: keys with 0 <= q_pos - k_pos < 2
+    (True, 2): """010000000100000 000000000110000 000000000011000
+                  000001000000100 000000000000110 000000000000011""",
+    # non-causal, window 2: |q_pos - k_pos| < 2, context still only before the anchor
+    (False, 2): """010000000110000 000000000111000 000000000011000
+                   000001000000110 000000000000111 000000000000011""",
+}
+
+
+def test_block_mask_and_labels_hand_checked():
+    w = slot_weights(3, 7.0)
+    mb = build_micro_batch(HAND_SEQS, Capacity(64, 64, 3, pad=False), 8, MASK, w, generator(0))
+    assert mb.block_anchor.tolist() == [2, 2, 2, 1, 1, 1] and mb.block_pos.tolist() == [2, 3, 4, 1, 2, 3]
+    assert mb.block_ids.tolist() == [12, MASK, MASK, 21, MASK, MASK]
+    assert mb.labels.tolist() == [12, 13, 14, 21, 22, 23]
+    # slot 0 is never scored; seq 1's last label (position 3) is outside the response
+    assert mb.weights.tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), 0.0, 1.0, 0.0], rel=1e-6)
+    assert mb.loss_rows.tolist() == [1, 2, 4]
+    layout = draft_layout(mb, 3)
+    for (causal, window), text in HAND_MASKS.items():
+        assert torch.equal(layout.dense(causal, window), _rows(text)), (causal, window)
+
+
+def test_slot_weights_and_gamma_rule():
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert default_gamma(12) == pytest.approx(5 + 2 / 3) and default_gamma(4) == 2.0 and default_gamma(2) == 1.0
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and torch.allclose(w[1:], torch.exp(-torch.arange(15.0) / 7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.integers(2, 8), st.integers(1, 20), st.integers(0, 99))
+def test_anchors_stay_inside_the_response(mask_bits, B, N, seed):
+    mask = torch.tensor(mask_bits)
+    L = len(mask)
+    ids = torch.arange(100, 100 + L)
+    a = sample_anchors(mask, B, N, generator(seed))
+    eligible = [p for p in range(L - B + 1) if mask_bits[p]]
+    assert len(a) == min(N, len(eligible)) and a.tolist() == sorted(set(a.tolist()))
+    assert all(p in eligible for p in a.tolist())
+    if not len(a):
+        return
+    mb = build_micro_batch([TokenSequence(ids, mask)], Capacity(64, 64, B, pad=False), N, MASK,
+                           slot_weights(B, 4.0), generator(seed))
+    rows = mb.loss_rows
+    pos = mb.block_pos[rows]
+    assert bool((rows % B > 0).all()) and bool(mask[pos].all()) and bool((pos < L).all())
+    assert torch.equal(mb.labels[rows], ids[pos])  # same-position labels: slot k predicts x_{a+k}
+    assert torch.equal(mb.block_ids[mb.block_pos == mb.block_anchor], ids[a])
+
+
+def test_chunked_loss_matches_autograd_through_compute_logits():
+    cfg = DFlashConfig.from_hf({"hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "dflash_config": {"output_multiplier": 1.5,
+                                                                            "final_logit_softcapping": 3.0}}, "t")
+    torch.manual_seed(0)
+    draft, head = DFlashDraftModel(cfg, 1), torch.nn.Linear(16, 50, bias=False)
+    loss = BlockLoss(cfg, head.weight, compiled=False)
+    loss.chunk = 5  # several chunks and a ragged last one
+    hidden = torch.randn(23, 16, requires_grad=True)
+    rows = torch.tensor([1, 2, 3, 5, 8, 9, 10, 13, 14, 15, 19, 21])
+    labels, weights = torch.randint(0, 50, (23,)), torch.rand(23)
+    total, hits = loss(hidden, rows, labels, weights)
+    total.backward()
+    ours = hidden.grad.clone()
+    hidden.grad = None
+    logits = draft.compute_logits(hidden[rows], head)
+    ref = (F.cross_entropy(logits, labels[rows], reduction="none") * weights[rows]).sum()
+    ref.backward()
+    assert torch.allclose(total, ref, rtol=1e-5) and torch.allclose(ours, hidden.grad, atol=1e-6)
+    assert torch.equal(hits, logits.argmax(-1) == labels[rows])
+
+
+def _draft(lm, layer_types=("sliding_attention", "full_attention"), window=5, block_size=4):
+    cfg = draft_config_dict(lm.config, len(layer_types), block_size, MASK, [0, 2], intermediate_size=48)
+    cfg.update(layer_types=list(layer_types), sliding_window=window)
+    model = random_draft(cfg, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)  # norms away from 1 so they matter
+    return model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target(tmp_path_factory.mktemp("train_parts"))
+
+
+def test_training_forward_equals_inference_draft_path(target):
+    lm = target
+    draft = _draft(lm)
+    seqs = random_sequences(3, torch.Generator().manual_seed(5), min_len=14, max_len=24)
+    B = 4
+    cap = Capacity(128, 256, B, pad=False)
+    mb = build_micro_batch(seqs, cap, 6, MASK, slot_weights(B, 4.0), generator(1))
+    fwd = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
+    with torch.no_grad():
+        logits = draft.compute_logits(fwd.hidden(mb, fwd.taps(mb)), lm.model.lm_head)
+    cfg, dcfg = lm.config, draft.config
+    row = 0
+    for s, n in enumerate(mb.blocks_per_seq):
+        ids = seqs[s].input_ids
+        for _ in range(n):
+            a = int(mb.block_anchor[row])
+            # inference, as spec/single.py does it: prefill taps of positions < a -> draft context cache -> block
+            kv = DenseKVCache.allocate(cfg.num_hidden_layers, a, cfg.num_key_value_heads, cfg.head_dim,
+                                       torch.float32, torch.device("cpu"))
+            ctx = DenseKVCache.allocate(dcfg.num_hidden_layers, a, dcfg.num_key_value_heads, dcfg.head_dim,
+                                        torch.float32, torch.device("cpu"))
+            pos = torch.arange(a)
+            with torch.no_grad():
+                taps = lm.model(ids[:a], pos, DenseCausalAttention(kv, pos, a), tap_layers=[0, 2]).taps
+                for layer, (k, v) in enumerate(draft.context_kv(taps, pos)):
+                    ctx.k[layer], ctx.v[layer] = k, v
+                block = torch.tensor([int(ids[a])] + [MASK] * (B - 1))
+                bpos = torch.arange(a, a + B)
+                h = draft(lm.model.embed_tokens(block), bpos, DenseDraftAttention(ctx, a, bpos))
+                ref = draft.compute_logits(h, lm.model.lm_head)
+            got = logits[row:row + B]
+            assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), (s, a)
+            row += B
+    assert row == len(mb.block_ids) and row >= 12
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_matches_sdpa_on_a_padded_batch(target):
+    """The FlexAttention path (mask_mod + tile superset) gives the SDPA path's output for every real row; padding
+    rows and keys change nothing (eager flex on CPU; tests/test_train_gpu.py runs the compiled kernels)."""
+    lm = target
+    draft = _draft(lm, ("sliding_attention", "full_attention"), window=6, block_size=8)
+    seqs = random_sequences(4, torch.Generator().manual_seed(9), min_len=20, max_len=40)
+    gen_args = (MASK, slot_weights(8, 4.0))
+    plain = build_micro_batch(seqs, Capacity(160, 40, 8, pad=False), 10, *gen_args, generator(2))
+    padded = build_micro_batch(seqs, Capacity(160, 40, 8, pad=True), 10, *gen_args, generator(2))
+    assert len(padded.input_ids) == 256 and len(padded.block_ids) == 384
+    flex = FlexState(Capacity(160, 40, 8, pad=True), [(True, 6), (False, None)], torch.device("cpu"),
+                     compiled=False)
+    t_mask, d_masks = flex.load(padded)
+    # the tiles a BlockMask lists cover every visible (row, key) pair
+    layout = draft_layout(padded, 8)
+    for kind in ((True, 6), (False, None)):
+        exact = layout.dense(*kind).view(3, 128, 5, 128).any(3).any(1)
+        assert not (exact & ~layout.tile_superset()).any()
+    T, Q = plain.num_tokens, plain.num_blocks * 8
+    torch.manual_seed(0)
+    q, k, v = torch.randn(256, 4, 16), torch.randn(256, 2, 16), torch.randn(256, 2, 16)
+    ref = PackedCausalAttention(plain)(0, q[:T], k[:T], v[:T], 0.25)
+    got = PackedCausalAttention(padded, flex, t_mask)(0, q, k, v, 0.25)
+    assert torch.allclose(got[:T], ref, atol=1e-5)
+    ctx = [(torch.randn(256, 2, 16), torch.randn(256, 2, 16))]
+    bq, bk, bv = torch.randn(384, 4, 16), torch.randn(384, 2, 16), torch.randn(384, 2, 16)
+    for kind in ((True, 6), (False, None)):
+        ref = BlockTrainingAttention(plain, [(ctx[0][0][:T], ctx[0][1][:T])], 8, torch.float32)(
+            0, bq[:Q], bk[:Q], bv[:Q], 0.25, *kind)
+        got = BlockTrainingAttention(padded, ctx, 8, torch.float32, flex, d_masks)(0, bq, bk, bv, 0.25, *kind)
+        assert torch.allclose(got[:Q], ref, atol=1e-5), kind
