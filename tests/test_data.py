@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -135,9 +134,13 @@ def test_bad_prompt_files_name_file_and_line(tmp_path, content, message):
     assert str(e.value) == message.format(f=f)
 
 
-def test_missing_prompt_file(tmp_path):
+def test_missing_or_binary_prompt_file(tmp_path):
     with pytest.raises(BlockspecError, match=f"^prompt file {tmp_path}/nope.jsonl: no such file$"):
         read_prompt_file(tmp_path / "nope.jsonl")
+    f = tmp_path / "late.jsonl"
+    f.write_bytes(b'{"prompt": "ok"}\n' * 500 + b'{"prompt": "\xff"}\n')  # the bad byte is past the first read
+    with pytest.raises(BlockspecError, match=f"^{f}: not UTF-8 text \\('utf-8' codec can't decode byte 0xff"):
+        read_prompt_file(f)
 
 
 # ---------------------------------------------------------------- evaluation sets and their exclusion

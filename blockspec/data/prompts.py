@@ -140,18 +140,22 @@ def read_prompt_file(path: str | Path, first_turn_only: bool = False) -> PromptF
     if not p.is_file():
         raise BlockspecError(f"prompt file {path}: no such file")
     try:
-        with open(p, encoding="utf-8") as f:
-            head = f.read(4096).lstrip()
+        return _read_text_file(p, first_turn_only)
     except UnicodeDecodeError as e:
         raise BlockspecError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _read_text_file(p: Path, first_turn_only: bool) -> PromptFile:
+    with open(p, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
     prompts: list[str] = []
     records = 0
     if p.suffix != ".txt" and head.startswith("["):
         items = JsonArrayItems(p)
         for line, obj in items:
             records += 1
-            prompts += record_prompts(obj, f"{path}:{line}: item {records}", first_turn_only)
-        return PromptFile(str(path), prompts, records, items.stopped)
+            prompts += record_prompts(obj, f"{p}:{line}: item {records}", first_turn_only)
+        return PromptFile(str(p), prompts, records, items.stopped)
     with open(p, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -163,12 +167,12 @@ def read_prompt_file(path: str | Path, first_turn_only: bool = False) -> PromptF
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise BlockspecError(f"{path}:{n}: invalid JSON ({e.msg}); expected JSONL (one object per line), "
+                raise BlockspecError(f"{p}:{n}: invalid JSON ({e.msg}); expected JSONL (one object per line), "
                                      f"a JSON array, or a .txt file with one prompt per line") from None
-            prompts += record_prompts(obj, f"{path}:{n}", first_turn_only)
+            prompts += record_prompts(obj, f"{p}:{n}", first_turn_only)
     if records == 0:
-        raise BlockspecError(f"{path}: no prompts (the file is empty)")
-    return PromptFile(str(path), prompts, records)
+        raise BlockspecError(f"{p}: no prompts (the file is empty)")
+    return PromptFile(str(p), prompts, records)
 
 
 def read_prompts(paths: list[str | Path], first_turn_only: bool = False, min_chars: int = 1,

@@ -70,12 +70,11 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     draft = load_draft(SpeculativeConfig(draft_model=draft_src, num_draft_tokens=args.num_draft_tokens), lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
-    report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=args.max_batch_size,
-                            use_tqdm=not args.json)
+    report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=args.max_batch_size)
     out_dir = Path(args.out_dir)
     png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
                                f"{args.dataset}: {Path(draft_src).name} on {lm.source.name}")
-    result = {**asdict(report), "model": args.model or "bundled", "draft": draft_src, "max_tokens": args.max_tokens,
+    result = {**asdict(report), "model": lm.source.name, "draft": draft_src, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
               "max_batch_size": args.max_batch_size, "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}
