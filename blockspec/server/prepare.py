@@ -32,7 +32,6 @@ class ModelLimits:
 
 @dataclass
 class Choice:
-    index: int  # OpenAI's choice index: prompt_index * n + j
     prompt_index: int
     params: SamplingParams
 
@@ -40,10 +39,10 @@ class Choice:
 @dataclass
 class Prepared:
     prompts: list[list[int]]  # token ids of each prompt
-    choices: list[Choice]  # one engine request each
+    choices: list[Choice]  # one engine request each; OpenAI's choice index: prompt_index * n + j = position here
     stop: list[str]  # stop strings (the text before the first one is returned)
     stream: bool
-    include_usage: bool
+    include_usage: bool  # streams end with a usage chunk (non-streamed responses always carry usage)
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -118,11 +117,11 @@ def _build(req: SamplingRequest, prompts: list[list[int]], max_tokens: int | Non
         except BlockspecError as e:
             raise _bad("prompt" if isinstance(req, CompletionRequest) else "messages", str(e)) from None
         limit = _max_tokens(max_tokens, default_max, param, len(ids), limits)
-        choices += [Choice(p * req.n + j, p, _sampling(req, limit, j, limits)) for j in range(req.n)]
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    if include_usage and not req.stream:
+        choices += [Choice(p, _sampling(req, limit, j, limits)) for j in range(req.n)]
+    if req.stream_options is not None and not req.stream:
         raise _bad("stream_options", "stream_options is only allowed with stream: true")
-    return Prepared(prompts, choices, stop, req.stream, include_usage or not req.stream)
+    return Prepared(prompts, choices, stop, req.stream, req.stream_options is not None and
+                    req.stream_options.include_usage)
 
 
 def _check_model(req: SamplingRequest, limits: ModelLimits) -> None:

@@ -53,7 +53,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop_token_ids: list[int] | None = None  # extension: stop on these ids too (models without a tokenizer)
     user: str | None = None  # accepted and ignored
-    # Accepted at their neutral values only (checked in prepare.unsupported_fields).
+    # Accepted at their neutral values only (prepare._check_unsupported).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
