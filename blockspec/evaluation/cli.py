@@ -20,8 +20,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs then must equal no-spec)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (temperature > 0)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
-    p.add_argument("--max-batch-size", type=int, default=1,
-                   help="requests decoded together (default 1: single-stream speed, the usual speculative setting)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.loading.loader import load_model
     from blockspec.sampling import SamplingParams
 
-    if args.max_batch_size < 1:
+    if args.max_batch_size is not None and args.max_batch_size < 1:
         raise BlockspecError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.draft is None and args.model is not None:
         raise BlockspecError("--model needs --draft (the bundled drafter is for the bundled target only)")
@@ -70,13 +70,15 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     draft = load_draft(SpeculativeConfig(draft_model=draft_src, num_draft_tokens=args.num_draft_tokens), lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
-    report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=args.max_batch_size)
+    on_gpu = next(lm.model.parameters()).device.type == "cuda"
+    batch = args.max_batch_size or (8 if on_gpu else 1)
+    report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=batch)
     out_dir = Path(args.out_dir)
     png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
                                f"{args.dataset}: {Path(draft_src).name} on {lm.source.name}")
     result = {**asdict(report), "model": lm.source.name, "draft": draft_src, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
-              "max_batch_size": args.max_batch_size, "png": str(png),
+              "max_batch_size": batch, "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}
     Path(result["report"]).write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else _table(result))
