@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,11 +17,8 @@ from blockspec.engine.llm_engine import LLMEngine
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import Metrics
 from blockspec.server.prepare import ModelLimits, prepare_chat, prepare_completion
-from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, APIError, parse_body
+from blockspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from blockspec.server.runner import ServingState, run_request
-
-log = logging.getLogger("blockspec.server")
-
 
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
@@ -38,9 +34,8 @@ class _Guard:
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None:
             return True
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,8 +82,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
         return _error_response(APIError(err.status_code, str(err.detail), type_=kind))
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        log.error("unhandled error on %s", request.url.path, exc_info=err)
+    async def unexpected(_: Request, err: Exception) -> JSONResponse:  # Starlette re-raises it for uvicorn to log
         metrics.count_error("request")
         return _error_response(APIError(500, "internal error; the server log has the traceback",
                                         type_="internal_error"))
