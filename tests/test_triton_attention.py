@@ -146,3 +146,37 @@ def test_triton_rotary_matches_torch(dtype):
         assert (out - ref).abs().max().item() <= 1e-6
     else:  # bf16: within two rounding steps (the interpreter truncates fp32 -> bf16 casts; CUDA torch may fuse)
         assert ((out.float() - ref.float()).abs() <= 2**-6 * ref.float().abs().clamp_min(1.0)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_add_rmsnorm_matches_torch(dtype):
+    from blockspec.layers.norm import RMSNorm
+    from blockspec.layers.triton_norm import add_rmsnorm
+
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, r = torch.randn(7, 96).to(dtype), torch.randn(7, 96).to(dtype)
+    ref_out, ref_h = norm.add_forward(x, r)  # CPU: the torch path
+    out, h = add_rmsnorm(x.to(DEV), r.to(DEV), norm.weight.to(DEV), 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    # the residual sum is one rounding of an fp32 sum both ways: exact in fp32; in bf16 one ulp apart at most
+    # (Triton's CPU interpreter truncates fp32 -> bf16 casts instead of rounding to nearest)
+    assert ((h.cpu().float() - ref_h.float()).abs() <= (0 if dtype == torch.float32 else 2**-7) * ref_h.float().abs()).all()
+    assert out.dtype == dtype
+    assert ((out.cpu().float() - ref_out.float()).abs() <= tol * ref_out.float().abs().clamp_min(1.0)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_silu_mul_matches_torch(dtype):
+    import torch.nn.functional as F
+
+    from blockspec.layers.triton_norm import silu_mul
+
+    x = (torch.randn(5, 2 * 1500) * 3).to(dtype)  # 1500 columns: two column blocks, the second one partial
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = silu_mul(x.to(DEV)).cpu()
+    assert out.shape == (5, 1500) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2**-6  # two bf16 roundings (the interpreter truncates them)
+    assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()

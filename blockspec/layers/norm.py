@@ -1,4 +1,4 @@
-"""RMSNorm, computed in fp32 and cast back (as HF does, so bf16 results match it)."""
+"""RMSNorm, computed in fp32 and cast back (as HF does, so bf16 results match it); one Triton kernel on CUDA."""
 
 import torch
 from torch import nn
@@ -19,3 +19,12 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused with the norm after it: (norm(residual + x), residual + x)."""
+        if x.is_cuda and x.dtype == self.weight.dtype:
+            from blockspec.layers.triton_norm import add_rmsnorm
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h

@@ -50,7 +50,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from blockspec.layers.triton_norm import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -62,9 +67,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor | None, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream h (None before layer 0, where delta is the embedding) and the previous layer's output
+        delta -> (h, this layer's output). The add of each output into the stream is fused with the next norm."""
+        if h is None:
+            h, x = delta, self.input_layernorm(delta)
+        else:
+            x, h = self.input_layernorm.add_forward(delta, h)
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, attn), h)
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,15 +122,16 @@ class LlamaForCausalLM(nn.Module):
         logit_rows: torch.Tensor | None = None,  # [R] row indices into T; None -> all rows
         input_embeds: torch.Tensor | None = None,  # [T, hidden] overrides the embedding lookup
     ) -> ForwardOutput:
-        h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        delta = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        cos, sin = self.rotary.cos_sin(positions, delta.dtype)
         wanted = {l: i for i, l in enumerate(tap_layers)}
         taps: list[torch.Tensor | None] = [None] * len(tap_layers)
+        h = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn)
-            if i in wanted:
-                taps[wanted[i]] = h
-        hidden = self.norm(h)
+            h, delta = layer(h, delta, cos, sin, attn)
+            if i in wanted:  # the stream after layer i (the next fused add computes the same sum again)
+                taps[wanted[i]] = h + delta
+        hidden, _ = self.norm.add_forward(delta, h)
         last = len(self.layers) - 1
         if last in wanted:  # HF's hidden_states[n] is the final-normed output; drafters are trained on that
             taps[wanted[last]] = hidden
