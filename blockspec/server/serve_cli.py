@@ -16,7 +16,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as `model` (default: the model source as given)")
+                   help="the name clients pass as `model` (default: the model source as given; for the bundled "
+                        "default its file name, SmolLM2-135M-Instruct.Q4_1)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV} if set)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -29,14 +30,15 @@ def run(args: argparse.Namespace) -> int:
 
     from blockspec.errors import BlockspecError
     from blockspec.server.app import build_app
-    from blockspec.server.engine_args import build_llm
+    from blockspec.server.engine_args import build_llm, model_source
 
     try:  # bind before loading the model: a busy port fails in a second, not after a minute of loading
         sock = socket.create_server((args.host, args.port))
     except (OSError, OverflowError) as e:
         raise BlockspecError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     llm = build_llm(args)
-    name = args.served_model_name or llm.lm.source.name
+    # the source as given; for the bundled default its file name (clients type this name)
+    name = args.served_model_name or model_source(args) or llm.lm.source.path.stem
     app = build_app(llm.engine, name, args.api_key or os.environ.get(API_KEY_ENV) or None)
     engine_loop = app.state.engine_loop
 
