@@ -10,6 +10,7 @@ top-2 logit gaps). Usage: python -m blockspec.bench.step --out docs/perf/step_be
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -50,6 +51,12 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     for _ in range(3):
         b.copy_(a)
     return 2 * nbytes / (time_ms(lambda: b.copy_(a), 20) / 1e3)  # read + write
+
+
+def free_memory() -> None:
+    """Engines hold reference cycles (runner <-> decode step) and graph pools: collect them before the next pool."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def make_models(K: int) -> tuple[LoadedModel, LoadedDraft]:
@@ -148,9 +155,9 @@ def main() -> None:
     for ctx in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
             ar, ar_eager, ar_parts = step_ms(lm, None, B, ctx)
-            torch.cuda.empty_cache()
+            free_memory()
             spec, spec_eager, spec_parts = step_ms(lm, draft, B, ctx)
-            torch.cuda.empty_cache()
+            free_memory()
             if ar_parts:
                 parts = {"ar": ar_parts, "spec": spec_parts}
             r = {"batch": B, "context": ctx, "K": args.K, "ar_step_ms": ar, "spec_step_ms": spec,
@@ -159,11 +166,14 @@ def main() -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
     print(json.dumps(parts, indent=1), flush=True)
+    free_memory()
     e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 16)]
     e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 16)]
     for r in e2e:
         print(json.dumps(r), flush=True)
     from blockspec.bench.hf_ref import hf_ar_step_ms, hf_twin
+
+    free_memory()
 
     hf = hf_twin(QWEN3_8B, lm.model)
     hf_ms = hf_ar_step_ms(hf)
