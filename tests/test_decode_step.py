@@ -108,3 +108,28 @@ def test_seeded_sampling_spec_equals_plain(pair, probabilistic):
 def test_cpu_never_captures(pair):
     lm, draft = pair
     assert not LLM.from_loaded(lm, draft).engine.runner.decode.capture
+
+
+def test_a_failing_request_fails_alone(pair):
+    lm, draft = pair
+    prompts, params = workload(6, seed=3)
+    want = run(LLM.from_loaded(lm, draft, max_num_seqs=4), prompts, params)
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=4)
+    eng = llm.engine
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    victim = eng.seqs[ids[2]]
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    victim.stats.record = broken  # this request's bookkeeping raises on its first verify step
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert final[ids[2]].finish_reason == "error" and final[ids[2]].error == "RuntimeError: injected"
+    for i in (0, 1, 3, 4, 5):
+        o = final[ids[i]]
+        assert (o.token_ids, o.acceptance_lengths, o.steps) == want[i] and o.error is None
+    assert eng.blocks.num_free == eng.pool.num_blocks and not eng.seqs

@@ -27,11 +27,12 @@ class RequestOutput:
     token_ids: list[int]  # all generated tokens so far
     new_token_ids: list[int]  # generated since the previous output of this request
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     acceptance_lengths: list[int]
     mean_acceptance_length: float | None
     num_preemptions: int = 0
     steps: list[dict] | None = None  # per verify step: position, drafts, num_accepted
+    error: str | None = None  # finish_reason "error": what failed in this request's own bookkeeping
 
 
 class LLMEngine:
@@ -124,7 +125,12 @@ class LLMEngine:
             return self._outputs([])
         results = self.runner.step(scheduled)
         for r in results:
-            self._commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
+            try:
+                self._commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not take the batch down
+                r.seq.error = f"{type(e).__name__}: {e}"
+                if not r.seq.finished:
+                    self.scheduler.finish(r.seq, "error")
         K = self.config.draft_len(len(self.scheduler.running), self.K)
         to_draft, ks = [], []
         for r in results:
@@ -157,6 +163,6 @@ class LLMEngine:
             outs.append(RequestOutput(
                 seq.request_id, seq.prompt_ids, list(seq.output_ids), new, seq.finished, seq.finish_reason,
                 list(seq.stats.acceptance_lengths), seq.stats.mean_acceptance_length, seq.num_preemptions,
-                list(seq.trace),
+                list(seq.trace), seq.error,
             ))
         return outs

@@ -40,6 +40,7 @@ class Sequence:
     trace: list[dict] = field(default_factory=list)
     num_streamed: int = 0  # output tokens already handed to the caller
     final_sent: bool = False
+    error: str | None = None
 
     @property
     def tokens(self) -> list[int]:
