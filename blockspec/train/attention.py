@@ -56,7 +56,7 @@ class FlexState:
             buf.copy_(src)
         T, Q = len(t.seq_ids), len(d.q_seq)
         target = _block_mask(t.tile_superset(), self.target_mod, T, T)
-        tiles = d.tile_superset()
+        tiles = d.tile_superset(len(mb.seq_lens))
         return target, {kind: _block_mask(tiles, mod, Q, T + Q) for kind, mod in self.draft_mods.items()}
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float) -> torch.Tensor:

@@ -146,12 +146,10 @@ def _eval_prompts(lm, args: argparse.Namespace) -> list[list[int]]:
         from blockspec.prompts_file import read_prompts_file
 
         specs = read_prompts_file(args.eval_prompts)[:n]
-        texts = [s.prompt for s in specs if s.prompt is not None]
-        if texts and tok is None:
+        if tok is None and any(s.prompt_ids is None for s in specs):
             raise BlockspecError(f"{args.eval_prompts}: text prompts need a tokenizer, and the target has none; "
                                  f"use prompt_ids")
-        encoded = iter(_encode(tok, texts, chat))
-        return [s.prompt_ids if s.prompt_ids is not None else next(encoded) for s in specs]
+        return [s.prompt_ids if s.prompt_ids is not None else _encode(tok, [s.prompt], chat)[0] for s in specs]
     if tok is None:
         raise BlockspecError("the target has no tokenizer: give --eval-prompts with prompt_ids, or "
                              "--eval-num-prompts 0")

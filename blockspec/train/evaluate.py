@@ -29,7 +29,8 @@ def evaluate_tau(lm: LoadedModel, model: DFlashDraftModel, prompts: list[list[in
     from blockspec.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM.from_loaded(lm, inference_draft(lm, model), max_num_seqs=min(len(prompts), 32),
+    # eager: capturing CUDA graphs for a drafter that lives for one evaluation would cost more than it saves
+    llm = LLM.from_loaded(lm, inference_draft(lm, model), max_num_seqs=min(len(prompts), 32), enforce_eager=True,
                           max_model_len=max(map(len, prompts)) + max_tokens + model.config.block_size)
     with torch.inference_mode():
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens), use_tqdm=False)

@@ -63,6 +63,5 @@ class TrainingForward:
     def __call__(self, mb: MicroBatch) -> ForwardResult:
         target_mask, draft_masks = self.flex.load(mb) if self.flex is not None else (None, None)
         hidden = self.hidden(mb, self.taps(mb, target_mask), draft_masks)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
-            total, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
+        total, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
         return ForwardResult(total, hits, mb.loss_rows % self.cap.block_size)

@@ -53,18 +53,18 @@ class DraftLayout:
         keys = torch.arange(self.num_ctx + len(self.q_pos), device=dev) if keys is None else keys
         return self.visible(rows[:, None], keys[None, :], causal, window)
 
-    def tile_superset(self) -> torch.Tensor:
+    def tile_superset(self, num_seqs: int) -> torch.Tensor:
         """[Q/TILE, (T+Q)/TILE] bool: True for every tile pair holding a visible (row, key) (and possibly more).
         Rows are sorted by (sequence, anchor) and context keys by (sequence, position), so the context keys a tile
-        of rows sees lie in [context start of its first row's sequence, max over its rows of start + anchor)."""
+        of rows sees lie in [context start of its first row's sequence, max over its rows of start + anchor).
+        No host synchronisation (the next micro-batch is prepared while the GPU works)."""
         T, Q, B = self.num_ctx, len(self.q_pos), self.block_size
         dev = self.q_pos.device
         real = self.q_seq >= 0
-        # context start of each sequence = index of its first context key
-        starts = torch.full((int(self.q_seq.max().clamp(min=0)) + 1,), T, device=dev, dtype=torch.long)
-        keep = self.ctx_seq >= 0
-        starts = starts.scatter_reduce(0, self.ctx_seq[keep], torch.nonzero(keep).flatten(), "amin")
-        row_lo = torch.where(real, starts[self.q_seq.clamp(min=0)], T)
+        # starts[s + 1] = index of the first context key of sequence s (slot 0 collects the padding)
+        starts = torch.full((num_seqs + 1,), T, device=dev, dtype=torch.long).scatter_reduce(
+            0, (self.ctx_seq + 1).clamp(min=0), torch.arange(T, device=dev), "amin")
+        row_lo = torch.where(real, starts[self.q_seq + 1], T)
         row_hi = torch.where(real, row_lo + self.q_anchor, 0)
         lo = row_lo.view(-1, TILE).min(1).values
         hi = row_hi.view(-1, TILE).max(1).values

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.train.anchors import default_gamma, slot_weights
-from blockspec.train.batches import build_micro_batch, generator
+from blockspec.train.batches import MicroBatch, build_micro_batch, generator
 from blockspec.train.checkpoint import Progress, load_checkpoint, save_checkpoint
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import TrainingSet, capacity, plan_epochs
@@ -65,7 +65,7 @@ class Window:
         self.weight = 0.0
         self.hits = torch.zeros(self.B, device=self.device)
         self.count = torch.zeros(self.B, device=self.device)
-        self.tokens, self.steps, self.t0 = 0, 0, time.perf_counter()
+        self.tokens, self.t0 = 0, time.perf_counter()
 
     def summary(self) -> dict[str, Any]:
         acc = (self.hits / self.count.clamp(min=1))[1:].tolist()
@@ -76,8 +76,10 @@ class Window:
 
 def _check_grads(model: torch.nn.Module) -> None:
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    if missing:  # a training-path bug (e.g. a forward-only kernel): fail loudly instead of training half a model
-        raise RuntimeError(f"no gradient reached {', '.join(missing)}")
+    if missing:  # fail loudly instead of training half a model
+        raise RuntimeError(f"no gradient reached {', '.join(missing)}: a forward-only (Triton) kernel ran under "
+                           f"autograd; the model code must take its fused CUDA kernels only when "
+                           f"torch.is_grad_enabled() is False")
 
 
 def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfig, out_dir: str | Path,
@@ -117,21 +119,27 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             progress.evals.append({"step": progress.step, **result})
             bar.write(f"step {progress.step}: tau {result['tau']:.3f} on {len(eval_prompts)} held-out prompts")
 
+    def step_batches(epoch: int, start: int) -> tuple[list[MicroBatch], float]:
+        """The micro-batches of the optimizer step starting at plan index `start`, on the device, and their total
+        loss weight (the step's loss is one weighted mean over all of them)."""
+        plan = plans[epoch]
+        mbs = [build_micro_batch([data.seqs[i] for i in plan[j]], cap, cfg.num_anchors, setup.mask_token_id, w_slot,
+                                 generator(cfg.seed, 1, epoch, j))
+               for j in range(start, min(start + cfg.grad_accum, len(plan)))]
+        return [mb.to(device) for mb in mbs], sum(float(mb.weights.sum()) for mb in mbs)
+
     shown: dict[str, Any] = {}
     t_start = time.perf_counter()
-    while progress.step < stop_at:
-        plan = plans[progress.epoch]
-        group = range(progress.micro, min(progress.micro + cfg.grad_accum, len(plan)))
-        mbs = [build_micro_batch([data.seqs[i] for i in plan[j]], cap, cfg.num_anchors, setup.mask_token_id, w_slot,
-                                 generator(cfg.seed, 1, progress.epoch, j)) for j in group]
-        total_w = sum(float(mb.weights.sum()) for mb in mbs)  # the step's loss is one weighted mean over all of them
+    pending = step_batches(progress.epoch, progress.micro) if progress.step < stop_at else None
+    while pending is not None:
+        mbs, total_w = pending
         step_loss = torch.zeros((), device=device)
         for mb in mbs:
-            r = fwd(mb.to(device))
+            r = fwd(mb)
             (r.loss_sum / total_w).backward()
             step_loss += r.loss_sum.detach()
-            window.hits += torch.bincount(r.slots[r.hits], minlength=B)
-            window.count += torch.bincount(r.slots, minlength=B)
+            window.hits.index_add_(0, r.slots, r.hits.float())
+            window.count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
             window.tokens += mb.num_tokens
             progress.tokens += mb.num_tokens
             progress.blocks += mb.num_blocks
@@ -143,11 +151,12 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         optimizer.zero_grad(set_to_none=True)
         window.loss += step_loss
         window.weight += total_w
-        window.steps += 1
         progress.step += 1
-        progress.micro = group.stop
-        if progress.micro >= len(plan):
+        progress.micro += len(mbs)
+        if progress.micro >= len(plans[progress.epoch]):
             progress.epoch, progress.micro = progress.epoch + 1, 0
+        # the next step's batches are built on the host while the GPU still runs this one
+        pending = step_batches(progress.epoch, progress.micro) if progress.step < stop_at else None
         shown.update(loss=f"{step_loss.item() / total_w:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
                      epoch=progress.epoch)  # the one host sync per step
         done = progress.step >= stop_at

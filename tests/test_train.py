@@ -1,0 +1,163 @@
+"""The drafter trainer end to end on CPU: it learns a synthetic task to a real tau, resumes identically, exports a
+checkpoint the inference loader reads back exactly, and the `train-draft` CLI runs and rejects bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockspec.cli import main
+from blockspec.config import SpeculativeConfig
+from blockspec.data.shards import write_shards
+from blockspec.loading.draft_loader import load_draft
+from blockspec.train.config import TrainConfig
+from blockspec.train.dataset import prepare
+from blockspec.train.evaluate import inference_draft
+from blockspec.train.setup import DraftShape, draft_from, new_draft
+from blockspec.train.trainer import train
+from test_train_common import MASK, VOCAB, cycle_sequences, random_sequences, tiny_target
+
+CPU = torch.device("cpu")
+SHAPE = DraftShape(num_layers=1, block_size=8, target_layer_ids=[0, 1], intermediate_size=96, mask_token_id=MASK)
+
+
+@pytest.fixture(scope="module")
+def cycles(tmp_path_factory):
+    """A target that learned two token cycles, and on-policy data: its own greedy continuations."""
+    lm = tiny_target(tmp_path_factory.mktemp("cycle_target"), layers=2, train_cycles=True)
+    return lm, cycle_sequences(lm, 40)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_target")
+    return root, tiny_target(root)
+
+
+def test_learns_the_synthetic_task_to_a_real_tau(cycles, tmp_path):
+    lm, seqs = cycles
+    cfg = TrainConfig(num_anchors=32, epochs=8, lr=3e-3, warmup_ratio=0.1, batch_anchors=128, max_seq_len=256,
+                      eval_every=40, eval_max_tokens=48)
+    setup = new_draft(lm, SHAPE, seed=0, device=CPU)
+    prompts = [[10, 11, 12, 13, 14], [30, 33, 36, 39]]  # cycle starts not used as training prompts
+    report = train(lm, setup, prepare(seqs, cfg, 8, "mem"), cfg, tmp_path, prompts, use_tqdm=False)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert report["steps"] == report["planned_steps"] == 80 and [r["step"] for r in log] == list(range(10, 81, 10))
+    assert log[-1]["loss"] < 0.1 * log[0]["loss"], [r["loss"] for r in log]
+    assert log[-1]["acc_mean"] > 0.95 and len(log[-1]["acc"]) == 7
+    # real speculative decoding with the engine: the drafter proposes whole cycles (block 8 -> at most 8 per step)
+    assert [e["step"] for e in report["evals"]] == [40, 80]
+    assert report["evals"][0]["tau"] < report["tau"] and report["tau"] > 6.0, report["evals"]
+    assert report["tokens_per_s"] > 0 and report["target_tokens"] == 8 * sum(len(s.input_ids) for s in seqs)
+
+
+def _run(lm, data, out, max_steps, resume=False):
+    cfg = TrainConfig(num_anchors=6, epochs=3, lr=1e-3, batch_anchors=24, grad_accum=2, max_seq_len=36,
+                      max_steps=max_steps, save_every=1000, eval_every=0)
+    setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
+                                     mask_token_id=MASK), seed=1, device=CPU)
+    train(lm, setup, prepare(data, cfg, 4, "mem"), cfg, out, None, resume=resume, use_tqdm=False)
+    return setup.model, torch.load(out / "checkpoint.pt", weights_only=True)
+
+
+def test_resume_continues_identically(target, tmp_path):
+    _, lm = target
+    data = random_sequences(24, torch.Generator().manual_seed(3))
+    straight, ck1 = _run(lm, data, tmp_path / "a", max_steps=7)
+    _run(lm, data, tmp_path / "b", max_steps=3)
+    resumed, ck2 = _run(lm, data, tmp_path / "b", max_steps=7, resume=True)
+    assert ck1["progress"]["step"] == ck2["progress"]["step"] == 7 and ck1["progress"]["epoch"] == 2
+    for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert str(ck1["optimizer"]) == str(ck2["optimizer"])
+
+
+def test_export_round_trips_through_the_inference_loader(target, tmp_path):
+    root, lm = target
+    data = random_sequences(8, torch.Generator().manual_seed(4))
+    model, _ = _run(lm, data, tmp_path, max_steps=2)
+    loaded = load_draft(SpeculativeConfig(draft_model=str(tmp_path)), lm)
+    assert loaded.spec.target_layer_ids == [0, 2] and loaded.spec.mask_token_id == MASK
+    assert loaded.spec.block_size == 4 and loaded.config.num_hidden_layers == 2
+    exported = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}  # written in bf16
+    for name, p in loaded.model.state_dict().items():
+        assert torch.equal(p, exported[name]), name
+    ids = torch.tensor([5, 9, MASK, MASK])
+    pos = torch.arange(10, 14)
+    ctx_taps = torch.randn(10, 128)
+    logits = []
+    for m in (loaded.model, inference_draft(lm, model.to(torch.bfloat16).float()).model):
+        from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
+
+        cache = DenseKVCache.allocate(2, 10, m.config.num_key_value_heads, m.config.head_dim, torch.float32, CPU)
+        with torch.no_grad():
+            for layer, (k, v) in enumerate(m.context_kv(ctx_taps, torch.arange(10))):
+                cache.k[layer], cache.v[layer] = k, v
+            logits.append(m.compute_logits(m(lm.model.embed_tokens(ids), pos, DenseDraftAttention(cache, 10, pos)),
+                                           lm.model.lm_head))
+    assert torch.equal(logits[0], logits[1])
+    # and --init continues from it with exactly those weights, as fp32 master weights
+    again = draft_from(lm, str(tmp_path), CPU)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in again.model.parameters())
+    assert all(torch.equal(p, exported[n]) for n, p in again.model.state_dict().items())
+    assert again.config == json.loads((tmp_path / "config.json").read_text())
+
+
+def _cli_data(tmp_path, n=10):
+    data = tmp_path / "data"
+    write_shards(random_sequences(n, torch.Generator().manual_seed(6)), data)
+    return data
+
+
+def test_cli_end_to_end(target, tmp_path, capsys):
+    root, lm = target
+    data, out = _cli_data(tmp_path), tmp_path / "out"
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"prompt_ids": [3, 4, 5]}\n{"prompt_ids": [7, 8]}\n{"prompt_ids": [9]}\n')
+    args = ["train-draft", "--target", str(root), "--data", str(data), "--out", str(out), "--draft-layers", "1",
+            "--block-size", "4", "--intermediate-size", "32", "--num-anchors", "8", "--batch-anchors", "16",
+            "--eval-prompts", str(prompts), "--eval-num-prompts", "2", "--eval-max-tokens", "6", "--device", "cpu",
+            "--epochs", "3", "--max-steps", "3"]
+    assert main(args) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 3 and report["planned_steps"] > 3 and len(report["evals"]) == 1
+    assert report["evals"][0]["generated_tokens"] == 12 and report["attention"] == "sdpa"
+    assert "trained 3 steps" in capsys.readouterr().err
+    draft = load_draft(SpeculativeConfig(draft_model=str(out)), lm)
+    assert draft.spec.target_layer_ids == [1] and draft.spec.mask_token_id == VOCAB - 1  # defaults for 3 layers
+    assert main(args[:-2] + ["--max-steps", "5", "--resume"]) == 0  # continues on the same schedule
+    assert json.loads((out / "train_report.json").read_text())["steps"] == 5
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-anchors", "64", "--batch-anchors", "32"],
+     "batch_anchors=32 is smaller than num_anchors=64: one sequence's blocks would not fit in a micro-batch"),
+    (["--init", "x", "--draft-layers", "2"],
+     "--draft-layers cannot be combined with --init (the drafter's shape comes from x/config.json)"),
+    (["--target-layer-ids", "0,7"], "train-draft: target_layer_ids=[0, 7] contains 7, but the target has only 3 "
+                                    "layers (ids are 0-based)"),
+    (["--block-size", "1"], "--block-size=1 must be >= 2 (slot 0 holds the given token)"),
+    (["--lr", "0"], "lr=0.0 must be > 0"),
+    (["--resume"], "checkpoint.pt does not exist"),
+    (["--max-seq-len", "4", "--block-size", "8"], "no usable training sequence"),
+])
+def test_cli_rejects_bad_input(target, tmp_path, capsys, extra, message):
+    root, _ = target
+    args = ["train-draft", "--target", str(root), "--data", str(_cli_data(tmp_path, 3)), "--out",
+            str(tmp_path / "o"), "--device", "cpu", "--eval-num-prompts", "0", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockspec: error: ") and message in err, err
+
+
+def test_cli_rejects_data_of_another_vocabulary(target, tmp_path, capsys):
+    root, _ = target
+    seq = random_sequences(1, torch.Generator().manual_seed(0))[0]
+    seq.input_ids[3] = 200
+    write_shards([seq], tmp_path / "data")
+    assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o"),
+                 "--device", "cpu", "--eval-num-prompts", "0"]) == 2
+    assert capsys.readouterr().err == (f"blockspec: error: {tmp_path / 'data'}: token id 200 is outside the target's "
+                                       f"vocabulary [0, {VOCAB}): the data was made for another target\n")
