@@ -207,6 +207,7 @@ MODULE_COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("interactive chat in the terminal, streamed", "blockspec.server.chat"),
     "draft-data": ("build drafter training data: prompts -> target-regenerated token shards", "blockspec.data.cli"),
     "eval-draft": ("a drafter's acceptance and speedup on an evaluation set (+ PNG)", "blockspec.evaluation.cli"),
+    "train-draft": ("train a DFlash drafter for a target (DFlash loss, frozen target taps)", "blockspec.train.cli"),
 }
 
 
