@@ -76,3 +76,26 @@ def test_cuda_training_does_not_recompile_between_micro_batches(tmp_path):
             dcfg.error_on_recompile = True  # every later micro-batch has other contents but the same shapes
     dcfg.error_on_recompile = False
     assert sum(losses[-5:]) < sum(losses[:5]), losses  # the same 5 micro-batches, 3 passes later
+
+
+def test_cuda_training_loop_evaluates_and_exports(tmp_path):
+    from blockspec.config import SpeculativeConfig
+    from blockspec.loading.draft_loader import load_draft
+    from blockspec.train.config import TrainConfig
+    from blockspec.train.dataset import prepare
+    from blockspec.train.setup import DraftShape, new_draft
+    from blockspec.train.trainer import train
+
+    lm = tiny_target(tmp_path / "t")
+    lm.model.to(CUDA, torch.bfloat16)
+    cfg = TrainConfig(num_anchors=8, epochs=2, batch_anchors=32, grad_accum=2, max_seq_len=64, eval_every=3,
+                      eval_max_tokens=16, log_every=2)
+    setup = new_draft(lm, DraftShape(num_layers=2, block_size=8, target_layer_ids=[0, 2], intermediate_size=48,
+                                     mask_token_id=MASK), seed=0, device=CUDA)
+    data = prepare(random_sequences(30, torch.Generator().manual_seed(7)), cfg, 8, "mem")
+    report = train(lm, setup, data, cfg, tmp_path / "out", [[3, 4, 5], [9, 10]], use_tqdm=False)
+    assert report["attention"] == "flex" and report["micro_batch_capacity"]["padded"]
+    assert report["steps"] == report["planned_steps"] and report["gpu_minutes"] > 0
+    assert [e["step"] for e in report["evals"]][-1] == report["steps"] and report["tau"] >= 1.0
+    draft = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "out")), lm)
+    assert draft.model.fc.weight.dtype == torch.bfloat16 and draft.spec.target_layer_ids == [0, 2]

@@ -62,11 +62,7 @@ class MicroBatch:
     num_blocks: int  # real blocks
 
     def to(self, device: torch.device) -> "MicroBatch":
-        """On CUDA through pinned memory, so the copy does not wait for the GPU work queued before it."""
-        def move(v: torch.Tensor) -> torch.Tensor:
-            return v.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else v.to(device)
-
-        return MicroBatch(**{k: move(v) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+        return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
 
 
 def plan_epoch(lengths: list[int], anchors: list[int], cap: Capacity, gen: torch.Generator,
