@@ -51,7 +51,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
+        if gate_up.is_cuda and not torch.is_grad_enabled():  # the Triton kernel has no backward
             from blockspec.layers.triton_norm import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
