@@ -274,6 +274,34 @@ def test_build_dataset_sampled_is_seeded(target, tmp_path):
     assert ids[0] == ids[1] and ids[0] != ids[2]
 
 
+def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
+    # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed during the second chunk keeps the
+    # first; the same command then generates only the second and the result equals an uninterrupted run.
+    kw = dict(max_tokens=8, max_num_seqs=1, use_tqdm=False)
+    build_dataset(target, TRAIN, tmp_path / "whole", **kw)
+    real = LLM.generate
+    calls = []
+
+    def dies_on_second(self, prompts, *a, **k):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, prompts, *a, **k)
+
+    monkeypatch.setattr(LLM, "generate", dies_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        build_dataset(target, TRAIN, tmp_path / "cut", **kw)
+    assert (tmp_path / "cut" / "parts" / "part-00000" / "manifest.json").exists()
+    with pytest.raises(BlockspecError, match="left by a run with other prompts or settings"):
+        build_dataset(target, TRAIN, tmp_path / "cut", **{**kw, "max_tokens": 9})
+    calls.clear()
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts)) or real(self, prompts, *a, **k))
+    m = build_dataset(target, TRAIN, tmp_path / "cut", **kw)
+    assert calls == [2] and m.num_sequences == 6 and not (tmp_path / "cut" / "parts").exists()
+    assert [s.input_ids.tolist() for s in read_shards(tmp_path / "cut")] == \
+        [s.input_ids.tolist() for s in read_shards(tmp_path / "whole")]
+
+
 def test_build_dataset_nothing_left(target, tmp_path):
     with pytest.raises(BlockspecError, match=r"^no training prompts left: 2 given, 1 are evaluation prompts, "
                                              r"0 duplicates, 1 empty or longer than max_prompt_tokens=30$"):

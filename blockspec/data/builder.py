@@ -5,6 +5,9 @@ The drafter must learn what the TARGET would say (on-policy), so the answers are
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,7 +17,7 @@ import torch
 
 from blockspec.data.eval_prompts import EVAL_SETS
 from blockspec.data.exclusion import filter_prompts
-from blockspec.data.shards import Manifest, TokenSequence, write_shards
+from blockspec.data.shards import MANIFEST, Manifest, TokenSequence, read_manifest, read_shards, write_shards
 from blockspec.errors import BlockspecError
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
@@ -59,22 +62,31 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         mean_prompt = sum(map(len, kept)) // len(kept)
         kv_cache_tokens = seqs * (mean_prompt + max_tokens) + max(map(len, kept)) + max_tokens + 1
     llm = LLM.from_loaded(lm, None, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
-                          max_num_batched_tokens=max(2048, 2 * seqs))
-    if temperature == 0.0:
-        params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=max_tokens)
-    else:
-        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens)
-                  for i in range(len(kept))]
+                          max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs))
+    # Generated in chunks, each written as soon as it is done (OUT/parts/part-N): a run stopped by a time limit
+    # keeps its finished chunks, and the same command continues after them.
+    chunk = 4 * seqs
+    parts = Path(out_dir) / "parts"
+    key = hashlib.sha256(json.dumps([kept, max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
+    reasons: Counter[str] = Counter()
     t0 = time.perf_counter()
-    outs = llm.generate(kept, params, use_tqdm=use_tqdm)
+    for c, start in enumerate(range(0, len(kept), chunk)):
+        part = parts / f"part-{c:05d}"
+        if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
+            raise BlockspecError(f"{part}: left by a run with other prompts or settings; remove {parts} to start over")
+        if not (part / MANIFEST).exists():
+            ids = kept[start:start + chunk]
+            if temperature == 0.0:
+                params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=max_tokens)
+            else:
+                params = [SamplingParams(temperature=temperature, seed=seed + start + i, max_tokens=max_tokens)
+                          for i in range(len(ids))]
+            outs = llm.generate(ids, params, use_tqdm=use_tqdm)
+            write_shards(_sequences(ids, [o.token_ids for o in outs]), part,
+                         {"finish_reasons": dict(Counter(o.finish_reason for o in outs)), "key": key})
+        reasons.update(read_manifest(part).meta["finish_reasons"])
     elapsed = time.perf_counter() - t0
-
-    def sequences():
-        for prompt_ids, out in zip(kept, outs):
-            ids = torch.tensor(prompt_ids + out.token_ids, dtype=torch.int64)
-            mask = torch.zeros(len(ids), dtype=torch.bool)
-            mask[len(prompt_ids):] = True
-            yield TokenSequence(ids, mask)
+    done = [s for c in range(-(-len(kept) // chunk)) for s in read_shards(parts / f"part-{c:05d}")]
 
     info = {
         "target": str(lm.source.name), "chat_template": chat, "max_tokens": max_tokens,
@@ -82,7 +94,20 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         "num_input_prompts": len(prompts), "num_excluded_eval": filtered.num_excluded_eval,
         "excluded_eval_sets": list(EVAL_SETS) if exclude_eval else [], "num_duplicates": filtered.num_duplicates,
         "num_skipped_length": len(encoded) - len(kept),  # empty, or templated longer than max_prompt_tokens
-        "finish_reasons": dict(Counter(o.finish_reason for o in outs)),
+        "finish_reasons": dict(reasons),
         "generation_time_s": round(elapsed, 2), **(meta or {}),
     }
-    return write_shards(sequences(), out_dir, info)
+    manifest = write_shards(done, out_dir, info)
+    shutil.rmtree(parts)
+    return manifest
+
+
+def _sequences(prompts: list[list[int]], responses: list[list[int]]) -> list[TokenSequence]:
+    """prompt + response ids, with the loss mask on the response."""
+    seqs = []
+    for prompt_ids, response in zip(prompts, responses):
+        ids = torch.tensor(prompt_ids + response, dtype=torch.int64)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(prompt_ids):] = True
+        seqs.append(TokenSequence(ids, mask))
+    return seqs
