@@ -180,3 +180,33 @@ def test_triton_silu_mul_matches_torch(dtype):
     assert out.shape == (5, 1500) and out.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 2**-6  # two bf16 roundings (the interpreter truncates them)
     assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_triton_split_qkv_norm_rope_matches_torch(dtype, qk_norm):
+    from blockspec.layers.norm import RMSNorm
+    from blockspec.layers.rotary import RotaryEmbedding, rotate_half
+    from blockspec.layers.triton_qkv import split_qkv_norm_rope
+
+    T, Hq, Hkv, D = 5, 4, 2, 32
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D + 16).to(dtype)[:, : (Hq + 2 * Hkv) * D]  # row stride > width
+    qn, kn = RMSNorm(D, 1e-6).to(dtype), RMSNorm(D, 1e-6).to(dtype)
+    with torch.no_grad():
+        qn.weight.normal_()
+        kn.weight.normal_()
+    cos, sin = RotaryEmbedding(D, 10000.0, None, 512).cos_sin(torch.tensor([0, 3, 17, 300, 511]), dtype)
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+    if qk_norm:
+        q, k = qn(q), kn(k)
+    rope = lambda x: x * cos + rotate_half(x) * sin  # noqa: E731
+    refs = (rope(q), rope(k), v)
+    norms = (qn.weight.to(DEV), kn.weight.to(DEV), 1e-6) if qk_norm else (None, None, 0.0)
+    outs = split_qkv_norm_rope(qkv.to(DEV), Hq, Hkv, D, *norms, cos.to(DEV), sin.to(DEV))
+    tol = 1e-5 if dtype == torch.float32 else 2**-5  # bf16: up to four roundings (interpreter truncates them)
+    for out, ref in zip(outs, refs):
+        out = out.cpu()
+        assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+        assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
+    assert torch.equal(outs[2].cpu(), v)

@@ -32,13 +32,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        qn, kn = self.q_norm, self.k_norm
+        if qkv.is_cuda and not torch.is_grad_enabled() and (qn is None or qn.weight.dtype == qkv.dtype):
+            from blockspec.layers.triton_qkv import split_qkv_norm_rope
+
+            norms = (qn.weight, kn.weight, qn.eps) if qn is not None else (None, None, 0.0)
+            q, k, v = split_qkv_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms, cos, sin)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            if qn is not None:
+                q, k = qn(q), kn(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
