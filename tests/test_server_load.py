@@ -172,6 +172,39 @@ def test_internal_error_fails_one_request_alone(server, pair, monkeypatch):
     assert finished_count(server, "abort") == 2
 
 
+def test_engine_failure_in_one_request_fails_it_alone(server, pair, monkeypatch):
+    from blockspec.engine.llm_engine import LLMEngine
+
+    _, _, lm, draft = pair
+    doomed = [5, 6, 7, 8, 9]
+    original = LLMEngine._commit
+
+    def commit(self, seq, *a):  # the fault: the engine's bookkeeping of one request raises mid-generation
+        if seq.prompt_ids == doomed and len(seq.output_ids) >= 2:
+            raise RuntimeError("injected engine fault")
+        return original(self, seq, *a)
+
+    monkeypatch.setattr(LLMEngine, "_commit", commit)
+    prompts = [f"fine {i}" for i in range(4)]
+    refs = LLM.from_loaded(lm, draft).generate(prompts, SamplingParams(max_tokens=30), use_tqdm=False)
+    errors_before = server.app.state.metrics.errors["request"]
+
+    async def main():
+        async with server.async_client(timeout=120) as client:
+            doomed_req = client.completions.create(model="tiny", prompt=doomed, max_tokens=100, temperature=0, n=2)
+            fine = [client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0, stream=True)
+                    for p in prompts]
+            results = await asyncio.gather(doomed_req, *fine, return_exceptions=True)
+            return [results[0]] + [await consume(r, chat=False) for r in results[1:]]
+
+    results = asyncio.run(main())
+    assert isinstance(results[0], openai.InternalServerError) and results[0].status_code == 500
+    for (text, ids, reasons, _), ref in zip(results[1:], refs):
+        assert ids == ref.token_ids and reasons == [ref.finish_reason]
+    assert server.app.state.metrics.errors["request"] == errors_before + 1
+    assert_pool_empty(server)  # the failed choice finished in the engine, its sibling choice was aborted
+
+
 def test_failed_engine_step_fails_requests_in_flight_and_serving_goes_on(server, monkeypatch):
     engine = server.engine
     real_step = engine.step

@@ -186,7 +186,15 @@ class EngineLoop:
         for out in outputs:
             self.metrics.record_output(out)
             owner = self._owners.pop(out.request_id, None) if out.finished else self._owners.get(out.request_id)
-            if owner is not None:
+            if owner is not None and out.finish_reason == "error":  # the engine failed this request alone
+                log.error("request %s failed in the engine: %s", out.request_id, out.error)
+                self.metrics.count_error("request")
+                siblings = [rid for rid, (st, _) in self._owners.items() if st is owner[0]]  # its other choices
+                self._abort_rids(siblings)
+                for rid in siblings:
+                    del self._owners[rid]
+                self._post(owner[0].queue.put_nowait, internal_error(owner[0].request_id))
+            elif owner is not None:
                 self._post(owner[0].queue.put_nowait, (owner[1], out))
         return False
 
