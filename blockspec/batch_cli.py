@@ -34,7 +34,7 @@ def run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: LoadedDra
             raise BlockspecError(f"{args.prompts_file}:{s.line}: {e}") from None
         prompts.append(ids)
         per_params.append(dataclasses.replace(params, max_tokens=s.max_tokens) if s.max_tokens else params)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=args.max_batch_size)
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=args.max_batch_size, enforce_eager=args.enforce_eager)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, per_params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - t0

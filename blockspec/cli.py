@@ -26,6 +26,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompts-file", help="many prompts: text (one per line) or JSONL with prompt/prompt_ids[/max_tokens]")
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together (--prompts-file)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs (--prompts-file; same results, slower)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -137,6 +139,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -155,7 +158,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
     prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
-    report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size)
+    report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size,
+                   enforce_eager=args.enforce_eager)
     report["config"] = {k: getattr(args, k) for k in ("model", "draft", "num_prompts", "prompt_len", "max_tokens",
                                                       "max_batch_size", "num_draft_tokens")}
     if args.json:

@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for name, (kind, help_text) in _ENGINE_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs (same results, slower)")
 
 
 def model_source(args: argparse.Namespace) -> str | None:
@@ -52,4 +53,6 @@ def build_llm(args: argparse.Namespace):
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False
+    if args.enforce_eager:
+        engine["enforce_eager"] = True
     return LLM(model_source(args), speculative_config=spec, device=args.device, dtype=args.dtype, **engine)
