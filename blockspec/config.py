@@ -96,9 +96,10 @@ class EngineConfig:
     # BENCHMARK ONLY: pretend decode steps accept drafts with this mean acceptance length (tau), whatever the drafts
     # are, to read throughput at a realistic tau off random weights. Outputs become meaningless. None: off.
     bench_forced_tau: float | None = None
+    tensor_parallel_size: int = 1  # ranks the target and drafter are split over (blockspec/distributed)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_tokens", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")

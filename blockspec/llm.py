@@ -16,24 +16,39 @@ from blockspec.sampling import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, speculative_config: SpeculativeConfig | dict | None = None,
                  device: str | None = None, dtype: str | None = None, **engine_config) -> None:
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
+        config = EngineConfig(**engine_config)
+        self.tp = None
+        if config.tensor_parallel_size > 1:  # this process becomes rank 0 of N (docs/tensor-parallel.md)
+            from blockspec.distributed.launch import TensorParallelSession
+            from blockspec.distributed.worker import ModelSpec
+
+            self.tp = TensorParallelSession(ModelSpec(model, speculative_config, device, dtype), config)
+            self.lm, self.engine = self.tp.lm, self.tp.engine
+            self.tokenizer = self.lm.tokenizer
+            return
         self.lm = load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.lm.tokenizer
         draft = None
         if speculative_config is not None:
             from blockspec.loading.draft_loader import load_draft
 
-            if isinstance(speculative_config, dict):
-                speculative_config = SpeculativeConfig(**speculative_config)
             draft = load_draft(speculative_config, self.lm)
-        self.engine = LLMEngine(self.lm, draft, EngineConfig(**engine_config))
+        self.engine = LLMEngine(self.lm, draft, config)
 
     @classmethod
     def from_loaded(cls, lm, draft=None, **engine_config) -> "LLM":
         """Wrap an already loaded target (and draft) without reading any files again."""
         self = cls.__new__(cls)
-        self.lm, self.tokenizer = lm, lm.tokenizer
+        self.lm, self.tokenizer, self.tp = lm, lm.tokenizer, None
         self.engine = LLMEngine(lm, draft, EngineConfig(**engine_config))
         return self
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op on one device; also done at exit)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

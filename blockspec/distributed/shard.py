@@ -1,0 +1,101 @@
+"""Turn a loaded single-device target (and DFlash drafter) into this rank's shard, in place.
+
+Modules are replaced, not rewritten: packed qkv_proj keeps this rank's [q_r | k_r | v_r] rows, gate_up_proj its
+[gate_r | up_r] rows, o_proj / down_proj become row-parallel (all-reduce), the embedding and lm_head vocab-parallel,
+and each attention module's head counts become this rank's. Hidden states, norms, the rotary tables and the
+drafter's fc (it reads the replicated taps) stay replicated, so the model code runs unchanged on every rank.
+The returned LoadedModel / LoadedDraft carry this rank's view of the config (its head counts), which is what the
+engine sizes the KV pool shard from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from blockspec.distributed.layers import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, column_linear,
+                                          head_split, vocab_shard)
+from blockspec.distributed.parallel_state import TPGroup
+from blockspec.errors import ConfigError
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.loader import LoadedModel
+from blockspec.models.dflash import DFlashAttention, DFlashDraftModel
+from blockspec.models.dflash_config import DFlashConfig
+from blockspec.models.llama import MLP, Attention, LlamaForCausalLM
+from blockspec.models.config import ModelConfig
+
+
+def check_tp_size(n: int, cfg: ModelConfig | DFlashConfig, what: str) -> None:
+    """Raise ConfigError unless `n` ranks can split this model's heads and MLP (`what` names the model)."""
+    heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    if heads % n:
+        raise ConfigError(f"tensor_parallel_size={n} must divide the {what}'s num_attention_heads={heads}")
+    if kv % n and n % kv:
+        raise ConfigError(f"tensor_parallel_size={n} must divide the {what}'s num_key_value_heads={kv} or be a "
+                          f"multiple of it (KV heads are then replicated)")
+    if inter % n:
+        raise ConfigError(f"tensor_parallel_size={n} must divide the {what}'s intermediate_size={inter}")
+
+
+def _shard_mlp(mlp: MLP, tp: TPGroup) -> None:
+    inter = mlp.down_proj.in_features
+    per = inter // tp.world_size
+    start = tp.rank * per
+    mlp.gate_up_proj = column_linear(mlp.gate_up_proj, [(start, per), (inter + start, per)])
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, start, per, tp.group)  # type: ignore[assignment]
+
+
+def _shard_target_attention(attn: Attention, tp: TPGroup) -> None:
+    s, D = head_split(attn.num_heads, attn.num_kv_heads, tp.rank, tp.world_size), attn.head_dim
+    q, kv = attn.q_size, attn.kv_size
+    attn.qkv_proj = column_linear(attn.qkv_proj, [(s.q_start * D, s.q_count * D), (q + s.kv_start * D, s.kv_count * D),
+                                                  (q + kv + s.kv_start * D, s.kv_count * D)])
+    attn.o_proj = RowParallelLinear(attn.o_proj, s.q_start * D, s.q_count * D, tp.group)  # type: ignore[assignment]
+    attn.num_heads, attn.num_kv_heads = s.q_count, s.kv_count
+    attn.q_size, attn.kv_size = s.q_count * D, s.kv_count * D
+
+
+def _shard_draft_attention(attn: DFlashAttention, tp: TPGroup) -> None:
+    s, D = head_split(attn.num_heads, attn.num_kv_heads, tp.rank, tp.world_size), attn.head_dim
+    attn.q_proj = column_linear(attn.q_proj, [(s.q_start * D, s.q_count * D)])
+    attn.k_proj = column_linear(attn.k_proj, [(s.kv_start * D, s.kv_count * D)])
+    attn.v_proj = column_linear(attn.v_proj, [(s.kv_start * D, s.kv_count * D)])
+    attn.o_proj = RowParallelLinear(attn.o_proj, s.q_start * D, s.q_count * D, tp.group)  # type: ignore[assignment]
+    attn.num_heads, attn.num_kv_heads = s.q_count, s.kv_count
+
+
+def rank_config(cfg, tp: TPGroup):
+    """This rank's view of a model config: its own attention and KV head counts."""
+    s = head_split(cfg.num_attention_heads, cfg.num_key_value_heads, tp.rank, tp.world_size)
+    return dataclasses.replace(cfg, num_attention_heads=s.q_count, num_key_value_heads=s.kv_count)
+
+
+def shard_target(model: LlamaForCausalLM, tp: TPGroup) -> None:
+    for layer in model.layers:
+        _shard_target_attention(layer.self_attn, tp)
+        _shard_mlp(layer.mlp, tp)
+    start, emb = vocab_shard(model.embed_tokens.weight.data, tp.rank, tp.world_size)
+    emb_param = nn.Parameter(emb, requires_grad=False)
+    head_param = emb_param
+    if not model.config.tie_word_embeddings:
+        head_param = nn.Parameter(vocab_shard(model.lm_head.weight.data, tp.rank, tp.world_size)[1], requires_grad=False)
+    model.embed_tokens = VocabParallelEmbedding(emb_param, start, tp.group)  # type: ignore[assignment]
+    model.lm_head = ParallelLMHead(head_param, model.config.vocab_size, tp.world_size, tp.group)  # type: ignore[assignment]
+    model.config = rank_config(model.config, tp)
+
+
+def shard_draft(model: DFlashDraftModel, tp: TPGroup) -> None:
+    for layer in model.layers:
+        _shard_draft_attention(layer.self_attn, tp)
+        _shard_mlp(layer.mlp, tp)
+    model.config = rank_config(model.config, tp)
+
+
+def shard_pair(lm: LoadedModel, draft: LoadedDraft | None, tp: TPGroup) -> tuple[LoadedModel, LoadedDraft | None]:
+    """Shard both models in place, move them to this rank's device, and return them with their rank configs."""
+    shard_target(lm.model, tp)
+    lm = dataclasses.replace(lm, model=lm.model.to(tp.device), config=lm.model.config)
+    if draft is not None:
+        shard_draft(draft.model, tp)
+        draft = dataclasses.replace(draft, model=draft.model.to(tp.device), config=draft.model.config)
+    return lm, draft
