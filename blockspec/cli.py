@@ -42,6 +42,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probabilistic-drafting", action="store_true",
                    help="sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)")
     p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
+    from blockspec.distributed.cli import add_tp_arg
+
+    add_tp_arg(p)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -53,6 +56,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
+    if args.tensor_parallel_size > 1:
+        from blockspec.distributed.cli import generate_tp
+
+        return generate_tp(args, params)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     session, draft = None, None
     if args.draft is not None:
@@ -144,22 +151,30 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true")
+    from blockspec.distributed.cli import add_tp_arg
+
+    add_tp_arg(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from blockspec.bench.offline import bench, synthetic_prompts
     from blockspec.loading.loader import load_model
 
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False)
-    draft = None
-    if args.draft:
-        from blockspec.config import SpeculativeConfig
-        from blockspec.loading.draft_loader import load_draft
+    if args.tensor_parallel_size > 1:
+        from blockspec.distributed.cli import bench_tp
 
-        draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
-    prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
-    report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size,
-                   enforce_eager=args.enforce_eager)
+        report = bench_tp(args)
+    else:
+        lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False)
+        draft = None
+        if args.draft:
+            from blockspec.config import SpeculativeConfig
+            from blockspec.loading.draft_loader import load_draft
+
+            draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
+        prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
+        report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size,
+                       enforce_eager=args.enforce_eager)
     report["config"] = {k: getattr(args, k) for k in ("model", "draft", "num_prompts", "prompt_len", "max_tokens",
                                                       "max_batch_size", "num_draft_tokens")}
     if args.json:

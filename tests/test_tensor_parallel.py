@@ -4,6 +4,7 @@ TP=2 gives the same greedy tokens and acceptance lengths as one device, with a D
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 
 from blockspec.attention.dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.distributed.layers import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, column_linear,
+from blockspec.distributed.layers import (HeadSplit, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, column_linear,
                                           head_split, vocab_shard)
 from blockspec.distributed.parallel_state import destroy_tp, free_port, init_tp
 from blockspec.distributed.shard import check_tp_size, shard_pair
@@ -63,7 +64,8 @@ def _layers_and_model(rank: int, world: int, port: int, model_dirs: list[str]) -
         ids = torch.tensor([0, 5, 6, 10, 3])
         assert torch.equal(VocabParallelEmbedding(shard, start, tp.group)(ids), emb[ids])
         torch.testing.assert_close(ParallelLMHead(shard, 11, world, tp.group)(x), x @ emb.T, rtol=0, atol=1e-6)
-        assert head_split(4, 1, rank, world) == (head_split(4, 1, 0, 2).__class__(rank * 2, 2, 0, 1))
+        assert head_split(4, 1, rank, world) == HeadSplit(rank * 2, 2, 0, 1)  # one kv head: replicated
+        assert head_split(8, 4, rank, world) == HeadSplit(rank * 4, 4, rank * 2, 2)
 
         for d in model_dirs:  # a full forward vs this rank's shard of the same model
             lm = load_model(d, device="cpu", with_tokenizer=False)
@@ -123,21 +125,39 @@ def test_engine_tp2_equals_one_device_trained_llama_pair(tmp_path):
     assert sum(map(sum, want_accept)) / sum(map(len, want_accept)) > 3  # the trained drafter is really exercised
 
 
-def test_engine_tp2_equals_one_device_qwen3(tmp_path):
+def test_engine_tp2_equals_one_device_qwen3_probabilistic_drafts(tmp_path):
+    """Random Qwen3 pair; the sampled request drafts from q and verifies with p/q rejection on every rank."""
     hf = make_hf_model("qwen3", seed=5)
     target = save_hf_model(hf, tmp_path / "qwen3")
     make_zlab_draft(hf.config, tmp_path / "draft", layers=1, block_size=4, target_layer_ids=(0, 2), mask_token_id=127)
-    spec = {"draft_model": str(tmp_path / "draft")}
+    spec = {"draft_model": str(tmp_path / "draft"), "probabilistic_drafting": True}
     prompts = [[5, 9, 33, 2 + i] for i in range(3)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
     lm = load_model(str(target), device="cpu", with_tokenizer=False)
     one = LLM.from_loaded(lm, load_draft(SpeculativeConfig(**spec), lm))
-    want = _engine_outputs(one, prompts, [params] * 3)
+    want = _engine_outputs(one, prompts, params)
     tp = LLM(str(target), spec, device="cpu", tensor_parallel_size=2)
     try:
-        assert _engine_outputs(tp, prompts, [params] * 3) == want
+        assert _engine_outputs(tp, prompts, params) == want
     finally:
         tp.close()
+    assert any(n > 1 for n in want[1][2])  # some sampled drafts were accepted through p/q rejection
+
+
+def test_cli_generate_tp2_equals_one_device(tmp_path, capsys):
+    from blockspec.cli import main
+
+    model = save_hf_model(make_hf_model("llama", seed=6), tmp_path / "llama")
+    argv = ["generate", "--model", str(model), "--prompt-ids", "3,4,5", "--max-tokens", "12", "--device", "cpu",
+            "--json"]
+    outs = []
+    for extra in ([], ["--tensor-parallel-size", "2"]):
+        assert main(argv + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert len(outs[0]["token_ids"]) == 12
+    assert outs[1]["token_ids"] == outs[0]["token_ids"]
+    assert outs[1]["tensor_parallel_size"] == 2
 
 
 # ---- bad sizes ---------------------------------------------------------------------------------------------------------
@@ -151,16 +171,10 @@ def test_bad_tensor_parallel_sizes(tmp_path):
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=3 must divide the target's num_attention_heads=4$"):
         check_tp_size(3, cfg, "target")
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=4 must divide the target's intermediate_size=90$"):
-        check_tp_size(4, dataclasses_replace(cfg, intermediate_size=90), "target")
+        check_tp_size(4, dataclasses.replace(cfg, intermediate_size=90), "target")
     with pytest.raises(ConfigError, match=r"num_key_value_heads=3 or be a multiple of it \(KV heads are then"):
-        check_tp_size(2, dataclasses_replace(cfg, num_attention_heads=6, num_key_value_heads=3), "target")
+        check_tp_size(2, dataclasses.replace(cfg, num_attention_heads=6, num_key_value_heads=3), "target")
     check_tp_size(4, cfg, "target")  # 2 kv heads on 4 ranks: replicated, allowed
     # the LLM checks before it starts any rank
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=3 must divide the target \(.*/m\)'s num_attention"):
         LLM(str(tmp_path / "m"), device="cpu", tensor_parallel_size=3)
-
-
-def dataclasses_replace(cfg, **kw):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **kw)
