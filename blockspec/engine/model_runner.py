@@ -79,7 +79,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         sample_pos: list[int] = []
         params, seeds = [], []
-        first_token: list[bool] = []  # per scheduled prefill: does this chunk end the prompt and sample token 1?
+        first_logit: list[int] = []  # per scheduled request: its first logit row (its rows are consecutive)
         for s in scheduled:
             seq, nc, n = s.seq, s.seq.num_computed, s.num_rows
             ids += seq.tokens[nc:nc + n] if s.is_prefill else [seq.bonus] + seq.drafts
@@ -91,8 +91,8 @@ class ModelRunner:
             if not s.is_prefill:
                 rows = list(range(n))
             else:  # the prompt's last row samples the first token (a resumed sequence already has it)
-                first_token.append(nc + n == seq.prefill_len and not seq.output_ids)
-                rows = [n - 1] if first_token[-1] else []
+                rows = [n - 1] if self._samples_first(s) else []
+            first_logit.append(len(logit_rows))
             logit_rows += [row0 + r for r in rows]
             sample_pos += [nc + r + 1 for r in rows]  # the position of the token each row samples
             params += [seq.params] * len(rows)
@@ -105,47 +105,61 @@ class ModelRunner:
                             tap_layers=self.taps, logit_rows=self._tensor(logit_rows))
         chosen = sample_rows(out.logits, SamplingRows.build(params, seeds, self.device, self.vocab_size),
                              self._tensor(sample_pos))
-        pieces, keep, li = [], [], 0
-        firsts = iter(first_token)
-        for s in scheduled:
-            seq = s.seq
-            if s.is_prefill:
-                if next(firsts):
-                    pieces.append(chosen[li:li + 1])
-                    li += 1
-                keep.append(torch.ones(s.num_rows, dtype=torch.bool, device=self.device))
-                continue
-            K = len(seq.drafts)
-            drafts = self._tensor(seq.drafts)[None]
-            if seq.draft_probs is not None:
-                tokens, n = self._accept_probabilistic(seq, drafts, out.logits[li:li + K + 1])
-            else:
-                tokens, n = accept_tokens(drafts, chosen[li:li + K + 1][None])
-            li += K + 1
-            pieces += [tokens[0], n]
-            keep.append(torch.arange(K + 1, device=self.device) <= n)
+        flat, where, keep = self._accept_all(scheduled, first_logit, qs, out.logits, chosen, len(positions))
         if self.draft is not None:
-            ctx_slots = torch.where(torch.cat(keep), batch.slot_mapping, -1)
-            self._append_context(out.taps, batch.positions, ctx_slots)
-        host = torch.cat(pieces).tolist() if pieces else []  # the step's one device-to-host copy
-        return self._results(scheduled, first_token, host)
+            self._append_context(out.taps, batch.positions, torch.where(keep, batch.slot_mapping, -1))
+        host = torch.cat(flat).tolist() if flat else []  # the step's one device-to-host copy
+        results = []
+        for i, s in enumerate(scheduled):
+            if s.is_prefill:
+                results.append(StepResult(s.seq, host[where[i]:where[i] + 1] if i in where else [], None, s.num_rows))
+            else:
+                K, at = len(s.seq.drafts), where[i]
+                n = host[at + K + 1]
+                results.append(StepResult(s.seq, host[at:at + n + 1], n, n + 1))
+        return results
 
     @staticmethod
-    def _results(scheduled: list[ScheduledSeq], first_token: list[bool], host: list[int]) -> list[StepResult]:
-        results, i = [], 0
-        firsts = iter(first_token)
-        for s in scheduled:
-            seq = s.seq
-            if s.is_prefill:
-                first = next(firsts)
-                results.append(StepResult(seq, host[i:i + 1] if first else [], None, s.num_rows))
-                i += 1 if first else 0
-                continue
-            K = len(seq.drafts)
-            tokens, n = host[i:i + K + 1], host[i + K + 1]
-            i += K + 2
-            results.append(StepResult(seq, tokens[: n + 1], n, n + 1))
-        return results
+    def _samples_first(s: ScheduledSeq) -> bool:
+        """Does this prefill chunk end the prompt of a sequence that has no token yet (so it samples token 1)?"""
+        return s.seq.num_computed + s.num_rows == s.seq.prefill_len and not s.seq.output_ids
+
+    def _accept_all(self, scheduled: list[ScheduledSeq], first_logit: list[int], qs: list[int], logits: torch.Tensor,
+                    chosen: torch.Tensor, num_rows: int) -> tuple[list[torch.Tensor], dict[int, int], torch.Tensor]:
+        """Acceptance of every verify block, batched per K (per-request ops would make a step cost O(batch) kernel
+        launches); p/q rejection (probabilistic drafting) per request. Returns the flat device results (first tokens
+        of prefills; per verify block its K+1 emitted slots then n), each request's offset in them, and which rows'
+        draft context to keep (prefill rows, and verify rows up to the last committed one)."""
+        dev = self.device
+        flat: list[torch.Tensor] = []
+        where: dict[int, int] = {}
+        keep = torch.ones(num_rows, dtype=torch.bool, device=dev)
+        firsts = [i for i, s in enumerate(scheduled) if s.is_prefill and self._samples_first(s)]
+        if firsts:
+            flat.append(chosen[self._tensor([first_logit[i] for i in firsts])])
+            where.update((i, j) for j, i in enumerate(firsts))
+        off = len(firsts)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(scheduled):
+            if not s.is_prefill and s.seq.draft_probs is None:
+                groups.setdefault(len(s.seq.drafts), []).append(i)
+        for K, idx in groups.items():
+            offs = torch.arange(K + 1, device=dev)
+            drafts = self._tensor([scheduled[i].seq.drafts for i in idx]).view(len(idx), K)
+            tokens, n = accept_tokens(drafts, chosen[self._tensor([first_logit[i] for i in idx])[:, None] + offs])
+            flat.append(torch.cat([tokens, n[:, None]], dim=1).flatten())
+            keep[(self._tensor([qs[i] for i in idx])[:, None] + offs).flatten()] = (offs[None] <= n[:, None]).flatten()
+            where.update((i, off + j * (K + 2)) for j, i in enumerate(idx))
+            off += len(idx) * (K + 2)
+        for i, s in enumerate(scheduled):
+            if not s.is_prefill and s.seq.draft_probs is not None:
+                K, li = len(s.seq.drafts), first_logit[i]
+                tokens, n = self._accept_probabilistic(s.seq, self._tensor(s.seq.drafts)[None], logits[li:li + K + 1])
+                flat.append(torch.cat([tokens[0], n]))
+                keep[qs[i]:qs[i] + K + 1] = torch.arange(K + 1, device=dev) <= n
+                where[i] = off
+                off += K + 2
+        return flat, where, keep
 
     def _accept_probabilistic(self, seq: Sequence, drafts: torch.Tensor, logits: torch.Tensor):
         """p/q rejection for sampled drafts; noise keyed by the draft positions (uniforms) and the block start."""
@@ -183,22 +197,18 @@ class ModelRunner:
                                   self.backend.draft(self.pool, batch))
         draft_rows = self._tensor([r for i in range(len(seqs)) for r in range(qs[i] + 1, qs[i + 1])])
         logits = self.draft.model.compute_logits(hidden[draft_rows], self.lm.model.lm_head)
-        chosen, off = [], 0
+        chosen, off = logits.argmax(-1), 0  # argmax drafts for every block at once
         for i, (seq, K) in enumerate(zip(seqs, ks)):
-            lg = logits[off:off + K]
-            off += K
             seq.draft_probs = None
-            if spec.probabilistic_drafting and not seq.params.greedy:
+            if spec.probabilistic_drafting and not seq.params.greedy:  # sampled drafts: per request
                 rows = SamplingRows.build([seq.params] * K, [seq.seed] * K, self.device, self.vocab_size)
-                q = processed_probs_rows(lg, rows)
-                draft_positions = batch.positions[qs[i] + 1:qs[i + 1]]
-                noise = rng.exponential(rows.seeds, draft_positions, rng.STREAM_DRAFT, q.shape[-1])
-                chosen.append(race(q, noise))
+                q = processed_probs_rows(logits[off:off + K], rows)
+                noise = rng.exponential(rows.seeds, batch.positions[qs[i] + 1:qs[i + 1]], rng.STREAM_DRAFT, q.shape[-1])
+                chosen[off:off + K] = race(q, noise)
                 seq.draft_probs = q
-            else:
-                chosen.append(lg.argmax(-1))
+            off += K
             seq.stats.num_draft_passes += 1
-        host = torch.cat(chosen).tolist()  # one device-to-host copy for every block
+        host = chosen.tolist()  # one device-to-host copy for every block
         off = 0
         for seq, K in zip(seqs, ks):
             seq.drafts = host[off:off + K]
