@@ -131,12 +131,14 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="default: bundled SmolLM2-135M-Instruct")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="K drafts per block for the bundled drafter (default: block_size - 1)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from blockspec.demo import run_demo
 
-    return run_demo(args.model, args.max_tokens, args.device)
+    return run_demo(args.model, args.max_tokens, args.device, args.num_draft_tokens)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
