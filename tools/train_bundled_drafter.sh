@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# How the bundled SmolLM2-135M-Instruct DFlash drafter is made, on one H200, from the repository root.
+#   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS=prompts.jsonl OUT=results/ tools/train_bundled_drafter.sh
+# PROMPTS comes from tools/prepare_prompts.py. Every stage resumes: run the script again after a time limit and it
+# continues (data chunks already generated are kept; training resumes from WORK/run/checkpoint.pt).
+set -euo pipefail
+GGUF=${GGUF:?path of the SmolLM2-135M-Instruct Q4_1 GGUF}
+PROMPTS=${PROMPTS:?JSONL of training prompts}
+WORK=${WORK:-/tmp/bundled-drafter}
+OUT=${OUT:-$WORK/out}
+BLOCKSPEC=${BLOCKSPEC:-python3 -m blockspec.cli}
+mkdir -p "$WORK" "$OUT"
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -
+
+if [ ! -f "$WORK/data/manifest.json" ]; then
+  $BLOCKSPEC draft-data --target "$GGUF" --prompts "$PROMPTS" --out "$WORK/data" --limit "${LIMIT:-14000}" \
+    --max-tokens "${GEN_TOKENS:-384}" --max-batch-size 512
+fi
+cp "$WORK/data/manifest.json" "$OUT/data_manifest.json"
+
+resume=""
+[ -f "$WORK/run/checkpoint.pt" ] && resume="--resume"
+$BLOCKSPEC train-draft --target "$GGUF" --data "$WORK/data" --out "$WORK/run" --draft-layers "${LAYERS:-3}" \
+  --block-size 16 --epochs "${EPOCHS:-6}" --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
+  --eval-every 1000 $resume
+cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
+
+for set in humaneval mtbench; do
+  $BLOCKSPEC eval-draft --model "$GGUF" --draft "$WORK/run" --dataset "$set" --max-tokens 256 --max-batch-size 16 \
+    --out-dir "$OUT/eval-$set" --json | tail -1 > "$OUT/eval-$set.json"
+done
