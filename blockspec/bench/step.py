@@ -105,6 +105,7 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B)]
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)  # capture graphs
+    host = _instrument(llm.engine)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -113,7 +114,35 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     n = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.acceptance_lengths]
     return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "tokens": n, "time_s": dt,
-            "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None}
+            "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None,
+            "host_breakdown_s": {k: round(v, 4) for k, v in host.items()}}
+
+
+def _instrument(engine: LLMEngine) -> dict[str, float]:
+    """Wall time spent in each part of the engine's step (and call counts), accumulated into the returned dict."""
+    totals: dict[str, float] = {}
+
+    def wrap(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t
+                totals[label + "_calls"] = totals.get(label + "_calls", 0) + 1
+
+        setattr(obj, name, timed)
+
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine.runner, "_varlen_step", "varlen_step")
+    wrap(engine.runner.decode, "run", "decode_step")
+    wrap(engine.runner.decode, "_fill", "decode_fill")
+    wrap(engine.runner, "propose", "propose")
+    wrap(engine, "_commit", "commit")
+    wrap(engine, "_outputs", "outputs")
+    return totals
 
 
 def greedy_vs_hf(lm: LoadedModel, draft: LoadedDraft, hf, n_prompts: int = 8, n: int = 64) -> dict:
