@@ -60,6 +60,8 @@ def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConf
             f"{source}: draft hidden_size={draft.hidden_size} does not match the target's hidden_size="
             f"{target.hidden_size}; a DFlash draft must be trained for this target"
         )
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ConfigError(f"{source}: target_layer_ids={ids} must be distinct non-negative layer indices, at least one")
     bad = [i for i in ids if i >= target.num_hidden_layers]
     if bad:
         raise ConfigError(

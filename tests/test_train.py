@@ -138,6 +138,9 @@ def test_cli_end_to_end(target, tmp_path, capsys):
      "--draft-layers cannot be combined with --init (the drafter's shape comes from x/config.json)"),
     (["--target-layer-ids", "0,7"], "train-draft: target_layer_ids=[0, 7] contains 7, but the target has only 3 "
                                     "layers (ids are 0-based)"),
+    (["--target-layer-ids", "1,1"], "train-draft: target_layer_ids=[1, 1] must be distinct non-negative layer indices"),
+    (["--target-layer-ids", "2,-1"], "train-draft: target_layer_ids=[2, -1] must be distinct non-negative layer "
+                                     "indices"),
     (["--block-size", "1"], "--block-size=1 must be >= 2 (slot 0 holds the given token)"),
     (["--lr", "0"], "lr=0.0 must be > 0"),
     (["--resume"], "checkpoint.pt does not exist"),

@@ -62,6 +62,16 @@ def test_block_mask_and_labels_hand_checked():
         assert torch.equal(layout.dense(causal, window), _rows(text)), (causal, window)
 
 
+def test_block_stops_at_the_first_label_outside_the_response():
+    # response, user turn, response again: the only anchor is position 1 (a <= L - B); its slots 2..5 fall in the user
+    # turn and then in the next response. Everything from the first user-turn label on is unscored.
+    seq = TokenSequence(torch.arange(30, 37), torch.tensor([0, 1, 1, 0, 0, 1, 1], dtype=torch.bool))
+    w = slot_weights(6, 7.0)
+    mb = build_micro_batch([seq], Capacity(64, 64, 6, pad=False), 8, MASK, w, generator(0))
+    assert mb.block_anchor.tolist() == [1] * 6
+    assert mb.weights.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+
+
 def test_slot_weights_and_gamma_rule():
     assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
     assert default_gamma(12) == pytest.approx(5 + 2 / 3) and default_gamma(4) == 2.0 and default_gamma(2) == 1.0

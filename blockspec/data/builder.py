@@ -67,7 +67,8 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     # keeps its finished chunks, and the same command continues after them.
     chunk = 4 * seqs
     parts = Path(out_dir) / "parts"
-    key = hashlib.sha256(json.dumps([kept, max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([str(lm.source.name), lm.config.num_hidden_layers, lm.config.hidden_size, kept,
+                                     max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
     reasons: Counter[str] = Counter()
     t0 = time.perf_counter()
     for c, start in enumerate(range(0, len(kept), chunk)):

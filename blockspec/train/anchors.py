@@ -5,7 +5,8 @@ x_{a+k}, exactly the situation of inference where x_a is the bonus token at posi
 
 Tail rule: an anchor must be a response token (loss_mask) with a <= L - B, so every block lies inside its sequence
 (the last response token is still a label: slot B-1 of the block anchored at L - B). A label is used only where
-loss_mask is true, so a block that runs from one response into the next user turn is cut at the boundary."""
+loss_mask is true and every earlier label of the block is one too, so a block that runs from one response into the
+next user turn is cut at the boundary (the next response's tokens after it are not scored)."""
 
 from __future__ import annotations
 

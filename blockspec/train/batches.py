@@ -108,7 +108,9 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
         bseq.append(torch.full((len(a) * B,), s))
         banchor.append(a.repeat_interleave(B))
         labels.append(seq.input_ids[at].flatten())
-        weights.append((seq.loss_mask[at] * slot_w[None]).flatten())
+        # a block ends at its first non-response label: slots past a user turn would ask the drafter to predict
+        # the next answer from context that precedes that turn, which inference never does
+        weights.append((seq.loss_mask[at].long().cumprod(1) * slot_w[None]).flatten())
     n_blocks = sum(len(f) for f in first)
     block_ids = torch.full((n_blocks, B), mask_token_id)
     block_ids[:, 0] = torch.cat(first)

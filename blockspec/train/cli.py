@@ -61,6 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gen-max-tokens", type=int, default=1024, help="longest regenerated response")
     d.add_argument("--prompt-limit", type=int, default=None, help="use only the first N prompts")
     d.add_argument("--no-chat", action="store_true", help="do not apply the chat template (prompts and eval)")
+    d.add_argument("--all-turns", action="store_true",
+                   help="every user turn of a conversation becomes a prompt (default: first turns only, since later "
+                        "turns such as 'continue' make no sense without their conversation)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="target dtype (default: bfloat16 on CUDA, float32 on CPU); the drafter trains in fp32 "
@@ -128,7 +131,7 @@ def _generate(lm, args: argparse.Namespace, data_dir: Path) -> Path:
 
     if args.prompt_limit is not None and args.prompt_limit < 1:
         raise BlockspecError(f"--prompt-limit must be >= 1, got {args.prompt_limit}")
-    found = read_prompts(args.prompts)
+    found = read_prompts(args.prompts, first_turn_only=not args.all_turns)
     build_dataset(lm, found.prompts[: args.prompt_limit], data_dir, max_tokens=args.gen_max_tokens,
                   chat=not args.no_chat, seed=args.seed, meta={"prompt_files": found.summary()})
     return data_dir

@@ -17,7 +17,8 @@ from blockspec.models.dflash_config import DFlashConfig, default_target_layer_id
 def draft_config_dict(target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int,
                       target_layer_ids: list[int] | None = None, intermediate_size: int | None = None) -> dict[str, Any]:
     """A z-lab style config.json for a drafter of `target` (attention shape copied from the target)."""
-    ids = target_layer_ids or default_target_layer_ids(target.num_hidden_layers, 5 if target.num_hidden_layers >= 8 else 1)
+    ids = target_layer_ids if target_layer_ids is not None else \
+        default_target_layer_ids(target.num_hidden_layers, 5 if target.num_hidden_layers >= 8 else 1)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": target.rope_theta}
     if target.rope_scaling:
         rope = {**target.rope_scaling, "rope_theta": target.rope_theta}

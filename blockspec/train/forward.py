@@ -2,7 +2,8 @@
 position -> all blocks through the draft's own layers -> weighted CE through the target's frozen lm_head.
 
 Nothing here re-implements the draft: context_kv, the layers and the final norm are DFlashDraftModel's, driven with
-a training DraftAttentionFn, so training and inference cannot drift apart (tests/test_train_parity.py)."""
+a training DraftAttentionFn, so training and inference cannot drift apart
+(tests/test_train_parts.py, test_training_forward_equals_inference_draft_path)."""
 
 from __future__ import annotations
 
