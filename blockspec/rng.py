@@ -4,7 +4,8 @@ Why not a torch.Generator per request: a batch of requests sampled inside one CU
 own generator, and a generator's state depends on how many draws came before, so plain and speculative decoding
 would consume it differently. A hash of a counter has no state. The noise used for the token at position p of a
 request is the same whichever step, batch, path or device samples it, so
-  - a seeded request is reproducible and independent of what else is in the batch;
+  - a seeded request is reproducible, and its noise does not depend on what else is in the batch (its logits can,
+    at rounding level, on GPU: split-K attention chunks keys by batch size, as in other engines);
   - speculative decoding with argmax drafts emits exactly the tokens plain decoding samples with the same seed
     (every emitted token is the target's sample at its position, from the same prefix and the same noise).
 Reusing a position's noise after a rejected verify step stays exact: the rejection was decided by noise at earlier
@@ -20,7 +21,11 @@ import torch
 STREAM_TARGET = 0  # the target's sample at a position (plain decoding, verify rows, prefill's first token)
 STREAM_DRAFT = 1  # probabilistic drafting: the draft's sample
 STREAM_ACCEPT = 2  # probabilistic drafting: the acceptance test's uniform
-STREAM_RESIDUAL = 3  # probabilistic drafting: the sample from the residual distribution after a rejection
+# probabilistic drafting: the sample from the residual distribution after a rejection (or the bonus after full
+# acceptance). Keyed by the block's start (the bonus position), not the sampled position: it is drawn once per
+# verify step and every step has its own start, so it is never reused.
+STREAM_RESIDUAL = 3
+STREAM_BENCH = 4  # benchmark-only forced acceptance (EngineConfig.bench_forced_tau)
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

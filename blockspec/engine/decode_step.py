@@ -16,8 +16,8 @@ import torch
 
 from blockspec import rng
 from blockspec.attention.paged_ref import PagedBatch
-from blockspec.engine.sequence import Sequence
-from blockspec.sampling import SamplingRows, sample_rows
+from blockspec.engine.sequence import Sequence, block_tables
+from blockspec.sampling import SamplingParams, SamplingRows, sample_rows
 from blockspec.spec.verify import accept_tokens
 
 if TYPE_CHECKING:
@@ -98,20 +98,20 @@ class DecodeStep:
 
     def _fill(self, buf: DecodeBuffers, seqs: list[Sequence], K: int) -> SamplingRows:
         """Copy this step's inputs into the static buffers (host -> device, one copy per buffer)."""
-        B, n, dev = buf.input_ids.shape[0], len(seqs), buf.input_ids.device
-        pad = B - n
-        ids = [[s.bonus] + s.drafts for s in seqs] + [[0] * (K + 1)] * pad
+        B, n, cpu = buf.input_ids.shape[0], len(seqs), torch.device("cpu")
+        pad = B - n  # padding rows: greedy, position 0, block table all block 0, slots -1 (never written)
         tables = torch.zeros(B, self.width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-        rows = SamplingRows.build([s.params for s in seqs], [s.seed for s in seqs], dev, self.runner.vocab_size)
-        buf.input_ids.copy_(torch.tensor(ids), non_blocking=True)
-        buf.start.copy_(torch.tensor([s.num_computed for s in seqs] + [0] * pad), non_blocking=True)
-        buf.valid.copy_(torch.tensor([True] * n + [False] * pad), non_blocking=True)
-        buf.block_tables.copy_(tables, non_blocking=True)
-        buf.temperature[:n], buf.top_k[:n], buf.top_p[:n], buf.seeds[:n] = (rows.temperature, rows.top_k, rows.top_p,
-                                                                           rows.seeds)
-        buf.temperature[n:], buf.top_k[n:], buf.top_p[n:] = 0.0, 0, 1.0
+        tables[:n] = block_tables(seqs, self.width, cpu)
+        rows = SamplingRows.build([s.params for s in seqs] + [SamplingParams()] * pad, [s.seed for s in seqs] + [0] * pad,
+                                  cpu, self.runner.vocab_size)
+        host = {
+            "input_ids": torch.tensor([[s.bonus] + s.drafts for s in seqs] + [[0] * (K + 1)] * pad),
+            "start": torch.tensor([s.num_computed for s in seqs] + [0] * pad),
+            "valid": torch.tensor([True] * n + [False] * pad), "block_tables": tables,
+            "temperature": rows.temperature, "top_k": rows.top_k, "top_p": rows.top_p, "seeds": rows.seeds,
+        }
+        for name, value in host.items():
+            getattr(buf, name).copy_(value, non_blocking=True)
         return SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, rows.all_greedy, rows.use_top_k,
                             rows.use_top_p)
 
@@ -136,7 +136,7 @@ class DecodeStep:
     def _forced_accept(self, buf: DecodeBuffers, K: int) -> torch.Tensor:
         """Benchmark only: n per row with mean forced_tau - 1, pseudo-random by position (deterministic)."""
         want = min(max(self.forced_tau - 1.0, 0.0), float(K))
-        u = rng.uniform(buf.seeds, buf.start, rng.STREAM_ACCEPT, 1)[:, 0]
+        u = rng.uniform(buf.seeds, buf.start, rng.STREAM_BENCH, 1)[:, 0]
         return (int(want) + (u < want - int(want)).long()).clamp_max(K)
 
     def forward(self, buf: DecodeBuffers, rows: SamplingRows) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
@@ -114,8 +113,9 @@ class LLMEngine:
             seq.stats.record(num_accepted, len(new))
             seq.trace.append({"position": seq.num_computed - kv_rows, "draft": seq.drafts, "num_accepted": num_accepted})
         # KV rows past a stop cut belong to no token: only positions that hold a token are committed
-        committed = min(seq.num_computed, len(seq.tokens))
-        seq.num_hashed = self.blocks.commit_full_blocks(seq.block_table, seq.tokens, committed, seq.num_hashed)
+        committed = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
+        if committed // self.pool.block_size > seq.num_hashed:  # a block filled up (seq.tokens copies the sequence)
+            seq.num_hashed = self.blocks.commit_full_blocks(seq.block_table, seq.tokens, committed, seq.num_hashed)
         if reason is not None:
             self.scheduler.finish(seq, reason)
 

@@ -19,7 +19,7 @@ from blockspec.attention.backends import get_backend
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.scheduler import ScheduledSeq
-from blockspec.engine.sequence import Sequence
+from blockspec.engine.sequence import Sequence, block_tables
 from blockspec.kv.pool import KVPool
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
@@ -34,14 +34,6 @@ class StepResult:
     num_accepted: int | None  # drafts accepted (verify rows only)
     num_kv_rows: int  # rows whose target KV + draft context became valid this step
     next_drafts: list[int] | None = None  # the next block's drafts, when the step drafted them already
-
-
-def block_tables(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor:
-    """[B, width] int64 block tables, padded with block 0 (read-only padding: its rows never write)."""
-    tables = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-    return tables.to(device)
 
 
 def _slots(seq: Sequence, start: int, n: int, block_size: int) -> list[int]:
@@ -161,7 +153,8 @@ class ModelRunner:
                 off += K + 2
         return flat, where, keep
 
-    def _accept_probabilistic(self, seq: Sequence, drafts: torch.Tensor, logits: torch.Tensor):
+    def _accept_probabilistic(self, seq: Sequence, drafts: torch.Tensor,
+                              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """p/q rejection for sampled drafts; noise keyed by the draft positions (uniforms) and the block start."""
         K, nc = drafts.shape[1], seq.num_computed
         rows = SamplingRows.build([seq.params] * (K + 1), [seq.seed] * (K + 1), self.device, self.vocab_size)

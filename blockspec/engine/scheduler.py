@@ -1,7 +1,7 @@
 """Continuous batching: which requests run this step, with how many new tokens each.
 
-Every step the running decodes go first (each needs 1 + K rows, the bonus and its drafts, plus K+1 lookahead
-slots), then unfinished prefills, then waiting requests, chunked to fit the token budget. When the pool runs out of
+Every step the running decodes go first (each needs 1 + K rows, the bonus and its drafts, and KV slots for them;
+the next draft block needs none, its K/V are never stored), then unfinished prefills, then waiting requests, chunked to fit the token budget. When the pool runs out of
 blocks the newest running request is preempted: its blocks are released (full committed blocks stay in the prefix
 cache) and it re-enters the waiting queue at the front, to be recomputed later with unchanged output."""
 

@@ -64,3 +64,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+
+def block_tables(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] int64 block tables, padded with block 0 (read-only padding: its rows never write)."""
+    tables = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    return tables.to(device)

@@ -1,7 +1,8 @@
 """RMSNorm (optionally fused with the residual add before it) and SiLU-and-multiply as single Triton kernels (GPU):
 the torch versions launch several small kernels per call, which at batch 1 cost more than their memory traffic.
-Same arithmetic as the torch code: the residual sum rounded to the input dtype, fp32 statistics, cast to the input
-dtype, then the weight multiply; silu rounded to the input dtype before the multiply."""
+The torch code's formula and rounding points: the residual sum rounded to the input dtype, fp32 statistics, cast to
+the input dtype, then the weight multiply; silu rounded to the input dtype before the multiply. (The reciprocal
+square root is the GPU's fast one, so a normed value can differ from torch by an ulp.)"""
 
 from __future__ import annotations
 

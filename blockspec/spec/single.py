@@ -1,5 +1,8 @@
 """Single-request DFlash speculative decoding over dense caches (DFLASH.md section 3), the reference spec loop.
 
+It always drafts K tokens; the engine drafts fewer near max_model_len or under a draft_len_schedule, so the two
+agree step for step only away from those clips (both stay lossless).
+
 Per step: draft a block [bonus, MASK x K] in one draft pass, verify [bonus, d_1..d_K] in one target pass with taps,
 accept, append the committed rows' taps to the draft context cache, and the correction becomes the next bonus."""
 
@@ -67,7 +70,8 @@ class DFlashSession:
             return race(q, noise), q
         return logits.argmax(dim=-1), None
 
-    def _verify(self, bonus: int, drafts: torch.Tensor, q: torch.Tensor | None, start: int):
+    def _verify(self, bonus: int, drafts: torch.Tensor, q: torch.Tensor | None,
+                start: int) -> tuple[torch.Tensor, int, torch.Tensor]:
         ids = torch.cat([torch.tensor([bonus], device=self.device), drafts])
         positions = torch.arange(start, start + self.K + 1, device=self.device)
         out = self.lm.model(ids, positions, DenseCausalAttention(self.kv, positions, start + self.K + 1), tap_layers=self.taps)

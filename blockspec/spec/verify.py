@@ -1,7 +1,7 @@
 """Accepting a drafted block against the target's verify logits: greedy and lossless sampling, batched, on device.
 
-All functions are pure tensor code (no host sync): randomness comes in as pre-drawn noise so that a request's
-seeded generator alone decides its samples. Output convention for a batch of B blocks with K drafts each:
+All functions are pure tensor code (no host sync): randomness comes in as pre-drawn noise (blockspec.rng, keyed by
+the request's seed and token positions), so a request's samples do not depend on the rest of the batch. Output convention for a batch of B blocks with K drafts each:
   out_tokens [B, K+1]: d_1..d_n then the correction/bonus token, -1 after it
   num_accepted [B]: n, the number of accepted drafts (tokens emitted = n + 1)"""
 
