@@ -79,6 +79,10 @@ class SamplingRows:
         return SamplingRows(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seeds), self.all_greedy,
                             self.use_top_k, self.use_top_p)
 
+    def rows(self, start: int, stop: int) -> "SamplingRows":
+        return SamplingRows(self.temperature[start:stop], self.top_k[start:stop], self.top_p[start:stop],
+                            self.seeds[start:stop], self.all_greedy, self.use_top_k, self.use_top_p)
+
 
 def processed_probs_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """logits [N, V] -> the distribution actually sampled from, [N, V] fp32 (temperature, then top_k, then top_p)."""
@@ -110,14 +114,20 @@ def race(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
     return (probs / exp_noise).argmax(dim=-1)
 
 
-def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """logits [N, V] -> token ids [N]: argmax for greedy rows, else a draw with the noise of (seed, position) where
-    `positions` [N] are the positions of the tokens being sampled."""
+    `positions` [N] are the positions of the tokens being sampled. Rows go `chunk` at a time: the noise and the
+    processed distribution are [rows, V] temporaries (a 1024-row verify batch over a 152k vocabulary would need
+    several GB at once)."""
     greedy = logits.argmax(dim=-1)
     if rows.all_greedy:
         return greedy
-    noise = rng.exponential(rows.seeds, positions, rng.STREAM_TARGET, logits.shape[-1])
-    return torch.where(rows.temperature == 0, greedy, race(processed_probs_rows(logits, rows), noise))
+    drawn = []
+    for a in range(0, logits.shape[0], chunk):
+        b = min(a + chunk, logits.shape[0])
+        noise = rng.exponential(rows.seeds[a:b], positions[a:b], rng.STREAM_TARGET, logits.shape[-1])
+        drawn.append(race(processed_probs_rows(logits[a:b], rows.rows(a, b)), noise))
+    return torch.where(rows.temperature == 0, greedy, torch.cat(drawn))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, positions: torch.Tensor) -> torch.Tensor:

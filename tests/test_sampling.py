@@ -346,3 +346,14 @@ def test_unseeded_sampling_still_valid(tiny_lm):
     r = generate(tiny_lm, PROMPT, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True))
     assert len(r.token_ids) == 5
     assert all(0 <= t < tiny_lm.config.vocab_size for t in r.token_ids)
+
+
+def test_sample_rows_in_chunks_equals_all_at_once():
+    logits = _logits(n=10, v=40, seed=8)
+    mixed = [SamplingParams(temperature=t, top_k=k, top_p=q) for t, k, q in
+             [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 5, 0.9), (1.3, 0, 0.8), (0.9, 3, 1.0)]] * 2
+    rows = SamplingRows.build(mixed, list(range(10)), torch.device("cpu"), 40)
+    pos = torch.arange(10) + 3
+    whole = sample_rows(logits, rows, pos, chunk=10)
+    for chunk in (1, 3, 4):
+        assert torch.equal(sample_rows(logits, rows, pos, chunk=chunk), whole)
