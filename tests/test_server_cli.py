@@ -60,11 +60,17 @@ def test_serve_process_answers_then_shuts_down_on_sigterm():
 
 def test_serve_flag_errors(capsys):
     target, draft, _, _ = tiny_pair()
+    capsys.readouterr()  # building the pair (first use in this process) writes progress bars
     assert main(["serve", str(target), "--model", "other"]) == 2
     assert capsys.readouterr().err == (f"blockspec: error: two models given: {str(target)!r} and --model 'other'; "
                                        f"pass one\n")
     assert main(["serve", str(target), "--num-draft-tokens", "3"]) == 2
     assert capsys.readouterr().err == "blockspec: error: --num-draft-tokens and --probabilistic-drafting need --draft\n"
+    assert main(["serve", str(target), "--draft", str(draft), "--draft-len-schedule", "1:7,16"]) == 2
+    assert capsys.readouterr().err == ("blockspec: error: --draft-len-schedule '1:7,16': expected batch:K pairs "
+                                       "separated by commas, e.g. 1:15,16:7,64:3\n")
+    assert main(["serve", str(target), "--draft", str(draft), "--draft-len-schedule", "0:7"]) == 2
+    assert "draft_len_schedule={0: 7}" in capsys.readouterr().err
     assert main(["serve", str(target), "--port", "99999"]) == 2
     assert "blockspec: error: cannot listen on 127.0.0.1:99999" in capsys.readouterr().err
 

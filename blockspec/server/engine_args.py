@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for name, (kind, help_text) in _ENGINE_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--draft-len-schedule", default=None, metavar="B:K,...",
+                   help="draft length by batch size, e.g. 1:15,16:7,64:3 (K of the largest B <= the running batch)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs (same results, slower)")
 
 
@@ -55,4 +57,17 @@ def build_llm(args: argparse.Namespace):
         engine["enable_prefix_caching"] = False
     if args.enforce_eager:
         engine["enforce_eager"] = True
+    if args.draft_len_schedule is not None:
+        engine["draft_len_schedule"] = parse_schedule(args.draft_len_schedule)
     return LLM(model_source(args), speculative_config=spec, device=args.device, dtype=args.dtype, **engine)
+
+
+def parse_schedule(text: str) -> dict[int, int]:
+    """"1:15,16:7" -> {1: 15, 16: 7}; the values are checked by EngineConfig."""
+    from blockspec.errors import BlockspecError
+
+    try:
+        return {int(b): int(k) for b, k in (item.split(":") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise BlockspecError(f"--draft-len-schedule {text!r}: expected batch:K pairs separated by commas, e.g. "
+                             f"1:15,16:7,64:3") from None
