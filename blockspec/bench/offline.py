@@ -6,6 +6,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from blockspec.engine.llm_engine import RequestOutput
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
@@ -27,12 +28,23 @@ def synthetic_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[li
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+WARMUP_TOKENS = 8
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                   use_tqdm: bool) -> tuple[list[RequestOutput], float]:
+    """Generate after a short warm-up on the same engine (kernel compilation and CUDA graph capture happen there,
+    not in the timed run); returns the outputs and the wall time of the timed run."""
+    warm = [p[:WARMUP_TOKENS] for p in prompts[: llm.engine.config.max_num_seqs]]
+    llm.generate(warm, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    return outs, time.perf_counter() - t0
+
+
 def run_once(lm: LoadedModel, draft: LoadedDraft | None, prompts: list[list[int]], params: SamplingParams,
              **engine_config) -> tuple[BenchResult, list[list[int]]]:
-    llm = LLM.from_loaded(lm, draft, **engine_config)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    outs, dt = timed_generate(LLM.from_loaded(lm, draft, **engine_config), prompts, params, use_tqdm=False)
     n = sum(len(o.token_ids) for o in outs)
     lens = [a for o in outs for a in o.acceptance_lengths]
     tau = sum(lens) / len(lens) if lens else None
@@ -42,7 +54,6 @@ def run_once(lm: LoadedModel, draft: LoadedDraft | None, prompts: list[list[int]
 def bench(lm: LoadedModel, draft: LoadedDraft | None, prompts: list[list[int]], max_tokens: int,
           **engine_config) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    run_once(lm, None, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), **engine_config)  # warm-up
     plain, plain_ids = run_once(lm, None, prompts, params, **engine_config)
     report = {"plain": plain.__dict__}
     if draft is not None:

@@ -3,8 +3,9 @@ one run of each through the batched engine."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
+
+from blockspec.bench.offline import timed_generate
 from blockspec.config import EngineConfig
 from blockspec.engine.llm_engine import RequestOutput
 from blockspec.llm import LLM
@@ -13,7 +14,6 @@ from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
 from blockspec.spec.stats import SpecStats
 
-WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -33,17 +33,6 @@ class DraftEvalReport:
     baseline_tokens_per_second: float
     speedup: float  # tokens_per_second / baseline_tokens_per_second
     outputs_identical: bool | None  # spec output == plain output for every prompt (None when sampling)
-
-
-def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                   use_tqdm: bool) -> tuple[list[RequestOutput], float]:
-    """Generate after a short warm-up on the same engine (kernel compilation and graph capture happen there, not in
-    the timed run); returns the outputs and the wall time of the timed run."""
-    warm = [p[:WARMUP_TOKENS] for p in prompts[: llm.engine.config.max_num_seqs]]
-    llm.generate(warm, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    return outs, time.perf_counter() - t0
 
 
 def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
