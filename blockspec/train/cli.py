@@ -139,12 +139,14 @@ def _generate(lm, args: argparse.Namespace, data_dir: Path) -> Path:
 
 def _eval_prompts(lm, args: argparse.Namespace) -> list[list[int]]:
     """Held-out prompts as token ids: the first N of --eval-prompts, or of the shipped --eval-set."""
+    from blockspec.data.builder import encode_prompts
     from blockspec.errors import BlockspecError
 
     n = args.eval_num_prompts
     if n == 0:
         return []
-    tok, chat = lm.tokenizer, not args.no_chat
+    tok = lm.tokenizer
+    chat = not args.no_chat and tok is not None and tok.has_chat_template
     if args.eval_prompts is not None:
         from blockspec.prompts_file import read_prompts_file
 
@@ -152,16 +154,11 @@ def _eval_prompts(lm, args: argparse.Namespace) -> list[list[int]]:
         if tok is None and any(s.prompt_ids is None for s in specs):
             raise BlockspecError(f"{args.eval_prompts}: text prompts need a tokenizer, and the target has none; "
                                  f"use prompt_ids")
-        return [s.prompt_ids if s.prompt_ids is not None else _encode(tok, [s.prompt], chat)[0] for s in specs]
+        return [s.prompt_ids if s.prompt_ids is not None else encode_prompts(lm, [s.prompt], chat)[0]
+                for s in specs]
     if tok is None:
         raise BlockspecError("the target has no tokenizer: give --eval-prompts with prompt_ids, or "
                              "--eval-num-prompts 0")
     from blockspec.data.eval_prompts import load_eval_prompts
 
-    return _encode(tok, load_eval_prompts(args.eval_set, n), chat)
-
-
-def _encode(tok, texts: list[str], chat: bool) -> list[list[int]]:
-    if chat and tok.has_chat_template:
-        return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    return [tok.encode(t) for t in texts]
+    return encode_prompts(lm, load_eval_prompts(args.eval_set, n), chat)
