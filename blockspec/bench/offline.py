@@ -32,33 +32,40 @@ WARMUP_TOKENS = 8
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                   use_tqdm: bool) -> tuple[list[RequestOutput], float]:
+                   use_tqdm: bool, speculate: bool = True) -> tuple[list[RequestOutput], float]:
     """Generate after a short warm-up on the same engine (kernel compilation and CUDA graph capture happen there,
     not in the timed run); returns the outputs and the wall time of the timed run."""
     warm = [p[:WARMUP_TOKENS] for p in prompts[: llm.engine.config.max_num_seqs]]
-    llm.generate(warm, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
+    llm.generate(warm, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False, speculate=speculate)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm, speculate=speculate)
     return outs, time.perf_counter() - t0
 
 
-def run_once(lm: LoadedModel, draft: LoadedDraft | None, prompts: list[list[int]], params: SamplingParams,
-             **engine_config) -> tuple[BenchResult, list[list[int]]]:
-    outs, dt = timed_generate(LLM.from_loaded(lm, draft, **engine_config), prompts, params, use_tqdm=False)
+Measured = tuple[BenchResult, list[list[int]]]  # the figures and every request's tokens
+
+
+def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, speculate: bool = True) -> Measured:
+    outs, dt = timed_generate(llm, prompts, params, use_tqdm=False, speculate=speculate)
     n = sum(len(o.token_ids) for o in outs)
     lens = [a for o in outs for a in o.acceptance_lengths]
     tau = sum(lens) / len(lens) if lens else None
-    return BenchResult("spec" if draft else "plain", len(prompts), n, dt, n / dt, tau), [o.token_ids for o in outs]
+    mode = "spec" if speculate and llm.engine.draft is not None else "plain"
+    return BenchResult(mode, len(prompts), n, dt, n / dt, tau), [o.token_ids for o in outs]
+
+
+def report(plain: Measured, spec: Measured | None) -> dict:
+    """The `blockspec bench` report: both runs, the speedup, and whether the outputs are identical."""
+    out: dict = {"plain": plain[0].__dict__}
+    if spec is not None:
+        out.update(spec=spec[0].__dict__, speedup=spec[0].tokens_per_second / plain[0].tokens_per_second,
+                   outputs_identical=spec[1] == plain[1])
+    return out
 
 
 def bench(lm: LoadedModel, draft: LoadedDraft | None, prompts: list[list[int]], max_tokens: int,
           **engine_config) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    plain, plain_ids = run_once(lm, None, prompts, params, **engine_config)
-    report = {"plain": plain.__dict__}
-    if draft is not None:
-        spec, spec_ids = run_once(lm, draft, prompts, params, **engine_config)
-        report["spec"] = spec.__dict__
-        report["speedup"] = spec.tokens_per_second / plain.tokens_per_second
-        report["outputs_identical"] = spec_ids == plain_ids
-    return report
+    plain = measure(LLM.from_loaded(lm, None, **engine_config), prompts, params)
+    spec = measure(LLM.from_loaded(lm, draft, **engine_config), prompts, params) if draft is not None else None
+    return report(plain, spec)

@@ -66,31 +66,16 @@ def generate_tp(args: argparse.Namespace, params: SamplingParams) -> int:
     return 0
 
 
-def _timed(llm, prompts: list[list[int]], params: SamplingParams, speculate: bool) -> tuple[dict, list[list[int]]]:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False, speculate=speculate)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.token_ids) for o in outs)
-    lens = [a for o in outs for a in o.acceptance_lengths]
-    return ({"num_requests": len(prompts), "generated_tokens": n, "time_s": dt, "tokens_per_second": n / dt,
-             "mean_acceptance_length": sum(lens) / len(lens) if lens else None}, [o.token_ids for o in outs])
-
-
 def bench_tp(args: argparse.Namespace) -> dict:
     """Plain and (with --draft) speculative throughput of one tensor-parallel engine, as `blockspec bench` reports."""
-    from blockspec.bench.offline import synthetic_prompts
+    from blockspec.bench.offline import measure, report, synthetic_prompts
 
     llm = _llm(args)
     try:
         prompts = synthetic_prompts(llm.lm.config.vocab_size, args.num_prompts, args.prompt_len)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        _timed(llm, prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), False)  # warm-up
-        plain, plain_ids = _timed(llm, prompts, params, speculate=False)
-        report = {"plain": plain, "tensor_parallel_size": args.tensor_parallel_size}
-        if args.draft is not None:
-            spec, spec_ids = _timed(llm, prompts, params, speculate=True)
-            report.update(spec=spec, speedup=spec["tokens_per_second"] / plain["tokens_per_second"],
-                          outputs_identical=spec_ids == plain_ids)
+        plain = measure(llm, prompts, params, speculate=False)
+        spec = measure(llm, prompts, params) if args.draft is not None else None
     finally:
         llm.close()
-    return report
+    return {**report(plain, spec), "tensor_parallel_size": args.tensor_parallel_size}

@@ -97,6 +97,6 @@ class TensorParallelSession:
         if not self.procs:
             return
         broadcast(self.tp, StepMessage("stop"))
+        destroy_tp()  # together with the workers, which leave their serve loop on "stop"
         self._stop_procs()
-        destroy_tp()
         atexit.unregister(self.close)

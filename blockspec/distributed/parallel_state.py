@@ -58,4 +58,11 @@ def init_tp(rank: int, world_size: int, port: int, base_device: torch.device) ->
 
 def destroy_tp() -> None:
     if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            # Tear down together: a gloo rank that destroys its group while its peer is still sending aborts the
+            # peer's process ("terminate called without an active exception"). Bounded, so a dead peer cannot hang us.
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            except RuntimeError:
+                pass
         dist.destroy_process_group()
