@@ -75,14 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from blockspec.batch_cli import run_prompts_file
 
         return run_prompts_file(args, lm, draft, params)
-    if args.prompt_ids is not None:
-        if args.chat:
-            raise BlockspecError("--chat needs --prompt text, not --prompt-ids")
-        prompt_ids = _parse_ids(args.prompt_ids)
-    else:
-        if tok is None:
-            raise BlockspecError(f"{lm.source.name} has no tokenizer: pass --prompt-ids instead of --prompt")
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    prompt_ids = prompt_from_args(args, tok, lm.source.name)
     if args.draft is not None:
         from blockspec.spec.single import DFlashSession
 
@@ -100,7 +93,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     elapsed = time.perf_counter() - t0
     reason = "stop" if tokens and tokens[-1] in stop_set(lm, params) else "length"
-    result = {
+    result = generation_result(tok, prompt_ids, tokens, reason, elapsed)
+    if session is not None:
+        result["acceptance_lengths"] = session.stats.acceptance_lengths
+        result["mean_acceptance_length"] = session.stats.mean_acceptance_length
+        if args.trace:
+            result["steps"] = session.steps
+    print_result(args, result, tok, streamed=streamer is not None)
+    return 0
+
+
+def prompt_from_args(args: argparse.Namespace, tok, model_name: str) -> list[int]:
+    """The prompt token ids of --prompt-ids, or of --prompt (with --chat: in the chat template)."""
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise BlockspecError("--chat needs --prompt text, not --prompt-ids")
+        return _parse_ids(args.prompt_ids)
+    if tok is None:
+        raise BlockspecError(f"{model_name} has no tokenizer: pass --prompt-ids instead of --prompt")
+    return tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+
+
+def generation_result(tok, prompt_ids: list[int], tokens: list[int], reason: str | None, elapsed: float) -> dict:
+    """The `generate --json` object (speculative fields are added by the caller)."""
+    return {
         "text": tok.decode(tokens) if tok is not None else None,
         "token_ids": tokens,
         "num_prompt_tokens": len(prompt_ids),
@@ -109,22 +125,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "time_s": round(elapsed, 4),
         "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
     }
-    if session is not None:
-        result["acceptance_lengths"] = session.stats.acceptance_lengths
-        result["mean_acceptance_length"] = session.stats.mean_acceptance_length
-        if args.trace:
-            result["steps"] = session.steps
+
+
+def print_result(args: argparse.Namespace, result: dict, tok, streamed: bool) -> None:
+    """--json: the object on stdout. Else the text (unless it was streamed already) and a summary line on stderr."""
     if args.json:
         print(json.dumps(result))
-    else:
-        if tok is None:
-            print(" ".join(map(str, tokens)), end="")
-        tau = f", tau {result['mean_acceptance_length']:.2f}" if result.get("mean_acceptance_length") else ""
-        print(f"\n[{len(tokens)} tokens, {result['tokens_per_second']} tok/s{tau}, finish: {reason}]", file=sys.stderr)
-        if args.trace:
-            for step in session.steps if session is not None else []:
-                print(json.dumps(step), file=sys.stderr)
-    return 0
+        return
+    if tok is None:
+        print(" ".join(map(str, result["token_ids"])), end="")
+    elif not streamed:
+        print(result["text"], end="")
+    tau = f", tau {result['mean_acceptance_length']:.2f}" if result.get("mean_acceptance_length") else ""
+    print(f"\n[{result['num_generated_tokens']} tokens, {result['tokens_per_second']} tok/s{tau}, "
+          f"finish: {result['finish_reason']}]", file=sys.stderr)
+    for step in result.get("steps") or []:
+        print(json.dumps(step), file=sys.stderr)
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:

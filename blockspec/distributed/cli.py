@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 from blockspec.errors import BlockspecError
@@ -30,39 +28,23 @@ def _llm(args: argparse.Namespace):
 
 
 def generate_tp(args: argparse.Namespace, params: SamplingParams) -> int:
+    from blockspec.cli import generation_result, print_result, prompt_from_args
+
     if args.prompts_file is not None or args.trace:
         raise BlockspecError("--prompts-file and --trace are not supported with --tensor-parallel-size yet")
     llm = _llm(args)
     try:
-        tok = llm.tokenizer
-        if args.prompt_ids is not None:
-            from blockspec.cli import _parse_ids
-
-            prompt = _parse_ids(args.prompt_ids)
-        elif tok is None:
-            raise BlockspecError("this model has no tokenizer: pass --prompt-ids instead of --prompt")
-        else:
-            prompt = (tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
-                      else tok.encode(args.prompt))
+        prompt = prompt_from_args(args, llm.tokenizer, llm.lm.source.name)
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - t0
     finally:
         llm.close()
-    result = {
-        "text": tok.decode(out.token_ids) if tok is not None else None, "token_ids": out.token_ids,
-        "num_prompt_tokens": len(prompt), "num_generated_tokens": len(out.token_ids),
-        "finish_reason": out.finish_reason, "time_s": round(elapsed, 4),
-        "tokens_per_second": round(len(out.token_ids) / elapsed, 2) if elapsed > 0 else None,
-        "acceptance_lengths": out.acceptance_lengths, "mean_acceptance_length": out.mean_acceptance_length,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(result["text"] if tok is not None else " ".join(map(str, out.token_ids)))
-        print(f"[{len(out.token_ids)} tokens, {result['tokens_per_second']} tok/s, TP={args.tensor_parallel_size}]",
-              file=sys.stderr)
+    result = generation_result(llm.tokenizer, prompt, out.token_ids, out.finish_reason, elapsed)
+    if args.draft is not None:
+        result.update(acceptance_lengths=out.acceptance_lengths, mean_acceptance_length=out.mean_acceptance_length)
+    result["tensor_parallel_size"] = args.tensor_parallel_size
+    print_result(args, result, llm.tokenizer, streamed=False)
     return 0
 
 
