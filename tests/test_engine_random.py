@@ -30,7 +30,7 @@ from blockspec.errors import BlockspecError
 from blockspec.generate import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
-from test_engine import check_block_accounting
+from engine_utils import check_block_accounting
 from trained_pair import CYCLE_A, CYCLE_B, MAX_POSITIONS, VOCAB, cycle_seq, trained_pair
 
 K = 7  # the trained drafter's block size 8 - 1
