@@ -178,6 +178,8 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             evaluate()
             t_start = time.perf_counter()
         if progress.step % cfg.save_every == 0 or done:
+            # the exported drafter follows every checkpoint, so a run killed by a time limit leaves a usable one
+            save_draft(model, setup.config, out)
             save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config)
     bar.close()
     log.close()
