@@ -47,6 +47,8 @@ def test_learns_the_synthetic_task_to_a_real_tau(cycles, tmp_path):
     assert report["steps"] == report["planned_steps"] == 80 and [r["step"] for r in log] == list(range(10, 81, 10))
     assert log[-1]["loss"] < 0.1 * log[0]["loss"], [r["loss"] for r in log]
     assert log[-1]["acc_mean"] > 0.95 and len(log[-1]["acc"]) == 7
+    # the acceptance length of the training blocks' hits starts near 1 and ends near the engine's tau below
+    assert log[0]["tau"] < 2.0 and 6.0 < log[-1]["tau"] <= 8.0, [r["tau"] for r in log]
     # real speculative decoding with the engine: the drafter proposes whole cycles (block 8 -> at most 8 per step)
     assert [e["step"] for e in report["evals"]] == [40, 80]
     assert report["evals"][0]["tau"] < report["tau"] and report["tau"] > 6.0, report["evals"]

@@ -23,6 +23,7 @@ class ForwardResult:
     loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (differentiable)
     hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
     slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row
+    accepted: torch.Tensor  # scalar: sum over blocks of the leading run of hits (what verification would accept)
 
 
 class TrainingForward:
@@ -65,4 +66,10 @@ class TrainingForward:
         target_mask, draft_masks = self.flex.load(mb) if self.flex is not None else (None, None)
         hidden = self.hidden(mb, self.taps(mb, target_mask), draft_masks)
         total, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
-        return ForwardResult(total, hits, mb.loss_rows % self.cap.block_size)
+        B = self.cap.block_size
+        # hits laid back out as [blocks, B] (unscored rows count as misses, so a block stops at the response end):
+        # the training-side acceptance length, comparable with the engine's tau on similar prompts
+        grid = torch.zeros(len(mb.block_ids), dtype=torch.float32, device=hits.device)
+        grid[mb.loss_rows] = hits.float()
+        accepted = grid[: mb.num_blocks * B].view(-1, B)[:, 1:].cumprod(1).sum()  # real blocks come first
+        return ForwardResult(total, hits, mb.loss_rows % B, accepted)

@@ -65,13 +65,15 @@ class Window:
         self.weight = 0.0
         self.hits = torch.zeros(self.B, device=self.device)
         self.count = torch.zeros(self.B, device=self.device)
-        self.tokens, self.t0 = 0, time.perf_counter()
+        self.accepted = torch.zeros((), device=self.device)
+        self.tokens, self.blocks, self.t0 = 0, 0, time.perf_counter()
 
     def summary(self) -> dict[str, Any]:
         acc = (self.hits / self.count.clamp(min=1))[1:].tolist()
         dt = time.perf_counter() - self.t0
         return {"loss": self.loss.item() / max(self.weight, 1e-12), "acc": [round(a, 4) for a in acc],
-                "acc_mean": sum(acc) / len(acc), "tokens_per_s": self.tokens / dt if dt > 0 else 0.0}
+                "acc_mean": sum(acc) / len(acc), "tau": 1 + self.accepted.item() / max(self.blocks, 1),
+                "tokens_per_s": self.tokens / dt if dt > 0 else 0.0}
 
 
 def _check_grads(model: torch.nn.Module) -> None:
@@ -140,7 +142,9 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             step_loss += r.loss_sum.detach()
             window.hits.index_add_(0, r.slots, r.hits.float())
             window.count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
+            window.accepted += r.accepted
             window.tokens += mb.num_tokens
+            window.blocks += mb.num_blocks
             progress.tokens += mb.num_tokens
             progress.blocks += mb.num_blocks
         if progress.step == 0:
@@ -168,8 +172,10 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             progress.last_log = {"step": progress.step, "lr": scheduler.get_last_lr()[0], **s}
             log.write(json.dumps(progress.last_log) + "\n")
             log.flush()
-            # accuracy of the draft argmax per block slot over the window: mean, slot 1, slot B-1
+            # accuracy of the draft argmax per block slot over the window: mean, slot 1, slot B-1; and the
+            # acceptance length those hits would give on the training blocks
             shown.update(acc=f"{s['acc_mean']:.3f}", acc1=f"{s['acc'][0]:.3f}", accK=f"{s['acc'][-1]:.3f}",
+                         tau=f"{s['tau']:.2f}",
                          tok_s=f"{s['tokens_per_s']:.0f}")
             window.reset()
         bar.set_postfix(shown, refresh=False)
