@@ -73,3 +73,24 @@ def test_traces_match_reference(tmp_path, arch, variant, K):
     assert len(full) >= 10 and full == list(range(len(full)))
     assert [s["draft"] for s in ours.steps[: len(full)]] == ref_drafts[: len(full)]
     assert ours.acceptance_lengths[: len(full)] == ref_lens[: len(full)]
+
+
+def test_fuse_qkv_keeps_weights_and_names(tmp_path):
+    """fuse_qkv (run by the engine on GPU) packs q/k/v into one matrix whose row blocks ARE the checkpoint's
+    q_proj/k_proj/v_proj weights: same values, same state_dict names, no copy left behind."""
+    hf = make_hf_model("qwen3", seed=5)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
+    lm = load_model(str(tmp_path / "t"), device="cpu", dtype="float32", with_tokenizer=False)
+    model = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm).model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.fuse_qkv()
+    model.fuse_qkv()  # idempotent
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    for layer in model.layers:
+        a = layer.self_attn
+        w = a.qkv_weight
+        assert w is not None and torch.equal(w, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight):
+            assert p.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()

@@ -112,3 +112,31 @@ def test_cuda_fp32_engine_equals_cpu_engine():
     gpu, _ = _run(*_on_cuda(pair, torch.float32))
     assert gpu == cpu
     assert max(max(a) for _, a in cpu if a) > 3  # real acceptance, not a drafter that never hits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_draft_prologue_matches_unfused(dtype):
+    """fuse_qkv: the drafter's block projection (one GEMM + Triton split/norm/rotary) and its context K/V give the
+    unfused path's q, k, v."""
+    from trained_pair import trained_pair
+
+    _, draft = _on_cuda(trained_pair(), dtype)
+    m = draft.model
+    attn = m.layers[0].self_attn
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(7, m.config.hidden_size, device="cuda", generator=g).to(dtype)
+    cos, sin = m.rotary.cos_sin(torch.arange(3, 10, device="cuda"), dtype)
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def capture(layer, q, k, v, scale, causal, window):
+        seen.append((q, k, v))
+        return q
+
+    with torch.no_grad():
+        ref_kv, ref_out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
+        m.fuse_qkv()
+        assert attn.qkv_weight is not None
+        kv, out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
+        assert a.shape == b.shape and ((a.float() - b.float()).abs() <= tol * b.float().abs().clamp_min(1.0)).all()

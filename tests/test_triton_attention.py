@@ -184,12 +184,13 @@ def test_triton_silu_mul_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_triton_split_qkv_norm_rope_matches_torch(dtype, qk_norm):
+@pytest.mark.parametrize("Hq", [4, 0])  # 0: k/v rows only (the drafter's context K/V)
+def test_triton_split_qkv_norm_rope_matches_torch(dtype, qk_norm, Hq):
     from blockspec.layers.norm import RMSNorm
     from blockspec.layers.rotary import RotaryEmbedding, rotate_half
     from blockspec.layers.triton_qkv import split_qkv_norm_rope
 
-    T, Hq, Hkv, D = 5, 4, 2, 32
+    T, Hkv, D = 5, 2, 32
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D + 16).to(dtype)[:, : (Hq + 2 * Hkv) * D]  # row stride > width
     qn, kn = RMSNorm(D, 1e-6).to(dtype), RMSNorm(D, 1e-6).to(dtype)
     with torch.no_grad():

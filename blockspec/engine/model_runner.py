@@ -47,6 +47,8 @@ class ModelRunner:
         self.device = next(lm.model.parameters()).device
         self.backend = get_backend(attention_backend, self.device)
         self.taps = draft.spec.target_layer_ids if draft is not None else []
+        if draft is not None and self.device.type == "cuda":
+            draft.model.fuse_qkv()  # one GEMM + one Triton prologue per draft layer (idempotent)
         self.max_model_len = max_model_len
         self.vocab_size = lm.config.vocab_size
         capture = self.device.type == "cuda" and self.backend.capturable and not enforce_eager

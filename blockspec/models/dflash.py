@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.dflash_config import DFlashConfig
@@ -42,17 +44,48 @@ class DFlashAttention(nn.Module):
         self.causal = cfg.layer_causal[layer_idx]
         self.window = cfg.layer_window[layer_idx]
         self.scale = self.head_dim**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, H] once fuse_qkv() ran (inference, GPU)
+
+    def fuse_qkv(self) -> None:
+        """Inference on GPU: q/k/v weights become views of one packed matrix, so the block's projection is one GEMM
+        and its split + q/k norm + rotary one Triton kernel (as the target's layers). The checkpoint names stay."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_weight is not None or any(type(p) is not nn.Linear or p.bias is not None for p in projs):
+            return  # already fused, or tensor-parallel shards / biases: the unfused path serves those
+        w = torch.cat([p.weight.detach() for p in projs])
+        sizes = [p.weight.shape[0] for p in projs]
+        for p, part in zip(projs, w.split(sizes)):
+            p.weight = nn.Parameter(part, requires_grad=False)
+        self.qkv_weight = w
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return (self.qkv_weight is not None and x.is_cuda and not torch.is_grad_enabled()
+                and x.dtype == self.qkv_weight.dtype == self.q_norm.weight.dtype)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> k, v [N, Hkv, D] (k normed and rotated; v untouched)."""
         N = x.shape[0]
+        if self._fused(x):
+            from blockspec.layers.triton_qkv import split_qkv_norm_rope
+
+            kv = F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])  # the k and v rows: no q heads
+            _, k, v = split_qkv_norm_rope(kv, 0, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                                          self.k_norm.weight, self.k_norm.eps, cos, sin)
+            return k, v
         k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, self.head_dim))
         return apply_rotary(k, cos, sin), self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
         T = x.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
-        k, v = self.kv(x, cos, sin)
+        if self._fused(x):
+            from blockspec.layers.triton_qkv import split_qkv_norm_rope
+
+            q, k, v = split_qkv_norm_rope(F.linear(x, self.qkv_weight), self.num_heads, self.num_kv_heads,
+                                          self.head_dim, self.q_norm.weight, self.k_norm.weight, self.k_norm.eps,
+                                          cos, sin)
+        else:
+            q = apply_rotary(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
+            k, v = self.kv(x, cos, sin)
         out = attn(self.layer_idx, q, k, v, self.scale, self.causal, self.window)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -65,9 +98,16 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)  # type: ignore[arg-type]  (needs hidden_size / intermediate_size only)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: DraftAttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream h and the previous layer's output delta (None before layer 0) -> (h, this layer's
+        output); each residual add is fused with the norm that follows it (one kernel on GPU, same sums)."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            x, h = self.input_layernorm.add_forward(delta, h)
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, attn), h)
+        return h, self.mlp(x)
 
 
 class DFlashDraftModel(nn.Module):
@@ -96,9 +136,14 @@ class DFlashDraftModel(nn.Module):
         """embeds [T, H] (raw target embeddings of the block; scaled here), positions [T] -> final-normed [T, H]."""
         h = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, delta = layer(h, delta, cos, sin, attn)
+        return self.norm.add_forward(delta, h)[0]
+
+    def fuse_qkv(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse_qkv()
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden).float()
