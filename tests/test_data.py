@@ -277,6 +277,7 @@ def test_build_dataset_sampled_is_seeded(target, tmp_path):
 def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
     # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed during the second chunk keeps the
     # first; the same command then generates only the second and the result equals an uninterrupted run.
+    monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 4)
     kw = dict(max_tokens=8, max_num_seqs=1, use_tqdm=False)
     build_dataset(target, TRAIN, tmp_path / "whole", **kw)
     real = LLM.generate
@@ -325,3 +326,23 @@ def test_draft_data_cli(target, tmp_path, capsys):
                "--out", str(tmp_path / "o2")])
     assert rc == 2
     assert capsys.readouterr().err == f"blockspec: error: prompt file {tmp_path}/missing.json: no such file\n"
+
+
+def test_build_dataset_with_a_drafter_writes_the_same_data(target, tmp_path):
+    """--draft: speculative generation of the responses is lossless, so the shards are those of plain generation."""
+    from blockspec.config import SpeculativeConfig
+    from blockspec.loading.draft_loader import load_draft
+    from dflash_utils import make_zlab_draft
+
+    make_zlab_draft(target.config, tmp_path / "d", layers=1, block_size=4, target_layer_ids=[0, 1],
+                    mask_token_id=VOCAB - 1)
+    draft = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), target)
+    kw = dict(max_tokens=10, max_num_seqs=3, use_tqdm=False)
+    build_dataset(target, TRAIN, tmp_path / "plain", **kw)
+    build_dataset(target, TRAIN, tmp_path / "spec", draft=draft, **kw)
+    plain, spec = read_shards(tmp_path / "plain"), read_shards(tmp_path / "spec")
+    assert len(plain) == len(spec) == len(TRAIN)
+    assert all(a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+               for a, b in zip(plain, spec))
+    with pytest.raises(BlockspecError, match="temperature=1.0"):
+        build_dataset(target, TRAIN, tmp_path / "sampled", draft=draft, temperature=1.0, **kw)

@@ -19,8 +19,12 @@ from blockspec.data.eval_prompts import EVAL_SETS
 from blockspec.data.exclusion import filter_prompts
 from blockspec.data.shards import MANIFEST, Manifest, TokenSequence, read_manifest, read_shards, write_shards
 from blockspec.errors import BlockspecError
+from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
+
+
+CHUNK_BATCHES = 8  # prompts per resumable chunk, in batches of max_num_seqs
 
 
 def encode_prompts(lm: LoadedModel, prompts: Sequence[str], chat: bool) -> list[list[int]]:
@@ -37,7 +41,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
                   temperature: float = 0.0, seed: int = 0, chat: bool = True, max_prompt_tokens: int = 2048,
                   max_num_seqs: int | None = None, kv_cache_tokens: int | None = None,
                   exclude_eval: bool = True, dedupe: bool = True, meta: dict[str, Any] | None = None,
-                  use_tqdm: bool = True) -> Manifest:
+                  use_tqdm: bool = True, draft: LoadedDraft | None = None) -> Manifest:
     """Write a training-data directory for a DFlash drafter of `lm` and return its manifest.
 
     prompts: user messages (one per conversation). Evaluation prompts (blockspec.data.eval_prompts) and, with
@@ -46,7 +50,9 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     with seed + prompt index), generated max_num_seqs at a time (default: 256 on CUDA, 8 on CPU) in a KV pool of
     kv_cache_tokens slots (default: enough for every running request's prompt + response). A sequence is
     prompt + response, with loss_mask 1 exactly on the response tokens (including a generated stop token).
-    `meta` is stored in the manifest next to the counts and generation settings."""
+    `meta` is stored in the manifest next to the counts and generation settings. `draft`: generate with speculative
+    decoding (an earlier drafter of the same target): lossless, so only the generation time changes; greedy only,
+    where the outputs are the target's own argmax tokens either way."""
     from blockspec.llm import LLM
 
     filtered = filter_prompts(list(prompts), exclude_eval=exclude_eval, dedupe=dedupe)
@@ -56,16 +62,21 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         raise BlockspecError(f"no training prompts left: {len(prompts)} given, {filtered.num_excluded_eval} are "
                              f"evaluation prompts, {filtered.num_duplicates} duplicates, {len(encoded) - len(kept)} "
                              f"empty or longer than max_prompt_tokens={max_prompt_tokens}")
+    if draft is not None and temperature != 0.0:
+        raise BlockspecError(f"a drafter speeds up greedy data generation only (temperature={temperature}): with "
+                             f"sampling the responses would depend on the drafter's random draws")
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
     seqs = min(max_num_seqs or (256 if on_gpu else 8), len(kept))
     if kv_cache_tokens is None:
         mean_prompt = sum(map(len, kept)) // len(kept)
-        kv_cache_tokens = seqs * (mean_prompt + max_tokens) + max(map(len, kept)) + max_tokens + 1
-    llm = LLM.from_loaded(lm, None, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
+        verify = draft.spec.num_draft_tokens + 1 if draft is not None else 0
+        kv_cache_tokens = seqs * (mean_prompt + max_tokens + verify) + max(map(len, kept)) + max_tokens + verify + 1
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
                           max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs))
     # Generated in chunks, each written as soon as it is done (OUT/parts/part-N): a run stopped by a time limit
-    # keeps its finished chunks, and the same command continues after them.
-    chunk = 4 * seqs
+    # keeps its finished chunks, and the same command continues after them. A chunk's last requests run in an
+    # emptying batch, so chunks span several batches' worth of prompts.
+    chunk = CHUNK_BATCHES * seqs
     parts = Path(out_dir) / "parts"
     key = hashlib.sha256(json.dumps([str(lm.source.name), lm.config.num_hidden_layers, lm.config.hidden_size, kept,
                                      max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]

@@ -21,6 +21,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                                       "CUDA, 8 on CPU)")
     p.add_argument("--first-turn-only", action="store_true", help="only the first user turn of each conversation")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--draft", default=None, metavar="SRC",
+                   help="generate with speculative decoding using this DFlash drafter of the target (greedy only; "
+                        "same data, less time)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
 
@@ -40,10 +43,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"  note: {f.note}", file=sys.stderr)
     prompts = found.prompts[: args.limit]
     lm = load_model(args.target, device=args.device, dtype=args.dtype)
+    draft = None
+    if args.draft is not None:
+        from blockspec.config import SpeculativeConfig
+        from blockspec.loading.draft_loader import load_draft
+
+        draft = load_draft(SpeculativeConfig(draft_model=args.draft), lm)
     manifest = build_dataset(
         lm, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
         chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_batch_size,
-        meta={"prompt_files": found.summary(), "first_turn_only": args.first_turn_only, "limit": args.limit},
+        meta={"prompt_files": found.summary(), "first_turn_only": args.first_turn_only, "limit": args.limit,
+              "draft": args.draft},
+        draft=draft,
     )
     m = manifest.meta
     print(f"wrote {manifest.num_sequences} sequences ({manifest.num_tokens} tokens, {manifest.num_response_tokens} "

@@ -61,8 +61,8 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running:  # preempted while reserving for an older request
-                continue
+            if seq.status is not SeqStatus.RUNNING:  # preempted while reserving for an older request (O(1), not a
+                continue                             # list scan: hundreds of requests run at once)
             if seq.in_prefill:
                 rows = min(seq.prefill_len - seq.num_computed, budget)
             else:
