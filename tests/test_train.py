@@ -53,6 +53,47 @@ def test_learns_the_synthetic_task_to_a_real_tau(cycles, tmp_path):
     assert [e["step"] for e in report["evals"]] == [40, 80]
     assert report["evals"][0]["tau"] < report["tau"] and report["tau"] > 6.0, report["evals"]
     assert report["tokens_per_s"] > 0 and report["target_tokens"] == 8 * sum(len(s.input_ids) for s in seqs)
+    _check_training_replays_the_engine(lm, setup, cfg, prompts)
+
+
+def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
+    """End-to-end parity: greedy spec decoding of each prompt, then the TRAINING forward over prompt + output with
+    every response position as an anchor. Walking the blocks the way verification does (next anchor = anchor +
+    acceptance length) must give the engine's acceptance lengths step for step."""
+    from blockspec.data.shards import TokenSequence
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    from blockspec.train.anchors import default_gamma, slot_weights
+    from blockspec.train.batches import build_micro_batch, generator
+    from blockspec.train.dataset import capacity
+    from blockspec.train.forward import TrainingForward
+
+    B = setup.model.config.block_size
+    llm = LLM.from_loaded(lm, inference_draft(lm, setup.model), max_num_seqs=1)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    seqs = [TokenSequence(torch.tensor(p + o.token_ids), torch.tensor([False] * len(p) + [True] * len(o.token_ids)))
+            for p, o in zip(prompts, outs)]
+    data = prepare(seqs, cfg, B, "replay")
+    cap = capacity(data, cfg, B, pad=False)
+    fwd = TrainingForward(lm.model, setup.model, setup.tap_layers, cap, "sdpa", compiled=False)
+    varied = set()
+    for i, (seq, out) in enumerate(zip(data.seqs, outs)):
+        mb = build_micro_batch([seq], cap, 10_000, setup.mask_token_id, slot_weights(B, default_gamma(B)),
+                               generator(0, i))
+        with torch.no_grad():
+            r = fwd(mb)
+        hits = torch.zeros(len(mb.block_ids))
+        hits[mb.loss_rows] = r.hits.float()
+        accepted = hits.view(-1, B)[:, 1:].cumprod(1).sum(1).long().tolist()
+        at = {a: j for j, a in enumerate(mb.block_pos.view(-1, B)[:, 0].tolist())}
+        a, walk = len(prompts[i]), []
+        while a in at:
+            walk.append(1 + accepted[at[a]])
+            a += walk[-1]
+        n = len(walk) - 1  # the engine's last steps are cut by max_tokens, the walk's by the block rule
+        assert n >= 3 and walk[:n] == out.acceptance_lengths[:n], (walk, out.acceptance_lengths)
+        varied.update(walk[:n])
+    assert len(varied) >= 2  # not a trivial all-accepted or all-rejected replay
 
 
 def _run(lm, data, out, max_steps, resume=False):
