@@ -92,6 +92,10 @@ class EngineConfig:
     kv_cache_tokens: int = 16384  # pool size in tokens when num_kv_blocks is None (capped by max_num_seqs x max_model_len)
     max_model_len: int | None = None  # None: the target's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Offline throughput: while requests are decoding, admit waiting ones only when this many (or all that wait) fit.
+    # A step that prefills runs the varlen path, not the decode step's CUDA graph, so admitting one request per step
+    # as others finish would keep a full batch off the graph almost every step. 1: admit at once (serving).
+    min_admit: int = 1
     draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}
     attention_backend: str = "auto"  # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
     enforce_eager: bool = False  # True: never capture CUDA graphs (the decode step runs the same code uncaptured)
@@ -101,7 +105,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the target and drafter are split over (blockspec/distributed)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_tokens", "tensor_parallel_size",
+                     "min_admit"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")

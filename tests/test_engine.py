@@ -191,3 +191,31 @@ def test_prefix_shared_with_a_running_request(trained):
         run.step()
     assert_pool_empty(llm.engine)
     assert_equal_spec(lm, draft, [a, b], [sp, sp], [run.final[ra], run.final[rb]])
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["plain", "dflash-random"])
+def test_min_admit_groups_admissions_and_keeps_outputs(tiny, workload, with_draft):
+    """min_admit=4 (offline throughput): while requests decode, waiting ones join only 4 at a time (or all that
+    remain), and outputs are unchanged."""
+    lm, draft = tiny
+    prompts, params = workload
+    llm = LLM.from_loaded(lm, draft if with_draft else None, max_num_seqs=8, max_num_batched_tokens=4096,
+                          num_kv_blocks=600, min_admit=4)
+    sched = llm.engine.scheduler
+    joined: list[tuple[int, int, int]] = []  # (running before, admitted, waiting before) of steps that admitted
+    real = sched.schedule
+
+    def schedule():
+        before, waiting = len(sched.running), len(sched.waiting)
+        out = real()
+        admitted = sum(1 for s in out if s.is_prefill and s.seq.num_computed == 0)
+        if admitted:
+            joined.append((before, admitted, waiting))
+        return out
+
+    sched.schedule = schedule
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_equal_plain(lm, prompts, params, [o for o in outs])
+    later = [(b, a, w) for b, a, w in joined if b > 0]
+    assert later, joined  # some admissions happened while others were decoding
+    assert all(a >= min(4, w) for _, a, w in later), later

@@ -71,8 +71,9 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         mean_prompt = sum(map(len, kept)) // len(kept)
         verify = draft.spec.num_draft_tokens + 1 if draft is not None else 0
         kv_cache_tokens = seqs * (mean_prompt + max_tokens + verify) + max(map(len, kept)) + max_tokens + verify + 1
+    # admissions in groups of 1/16 of the batch: most steps stay on the decode step's CUDA graph (EngineConfig)
     llm = LLM.from_loaded(lm, draft, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
-                          max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs))
+                          max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs), min_admit=max(1, seqs // 16))
     # Generated in chunks, each written as soon as it is done (OUT/parts/part-N): a run stopped by a time limit
     # keeps its finished chunks, and the same command continues after them. A chunk's last requests run in an
     # emptying batch, so chunks span several batches' worth of prompts.

@@ -52,7 +52,7 @@ class LLMEngine:
             blocks = max(2, -(-tokens // config.block_size))
         self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
         self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend,
                                   config.enforce_eager, config.max_num_seqs)
         self.runner.decode.forced_tau = config.bench_forced_tau

@@ -22,10 +22,12 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 min_admit: int = 1) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_admit = min(min_admit, max_num_seqs)  # see EngineConfig.min_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,6 +77,8 @@ class Scheduler:
                 continue
             out.append(ScheduledSeq(seq, rows, seq.in_prefill))
             budget -= rows
+        if self.running and self.max_num_seqs - len(self.running) < min(self.min_admit, len(self.waiting)):
+            return out  # decoding continues on the graph until a group of waiting requests fits
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq.tokens, seq.prefill_len - 1)
