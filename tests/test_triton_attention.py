@@ -211,3 +211,29 @@ def test_triton_split_qkv_norm_rope_matches_torch(dtype, qk_norm, Hq):
         assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
         assert ((out.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
     assert torch.equal(outs[2].cpu(), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_split_qkv_writes_kv_into_the_pool(dtype):
+    """paged=(k_cache, v_cache, slots): k/v rows land in the pool at their slots exactly as the contiguous outputs
+    would, slot -1 writes nothing, q is unchanged."""
+    from blockspec.layers.rotary import RotaryEmbedding
+    from blockspec.layers.triton_qkv import split_qkv_norm_rope
+
+    T, Hq, Hkv, D, S = 6, 4, 2, 32, 20
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEV)
+    w = torch.randn(D, generator=g).to(dtype).to(DEV)
+    cos, sin = RotaryEmbedding(D, 10000.0, None, 512).cos_sin(torch.arange(10, 10 + T), dtype)
+    cos, sin = cos.to(DEV), sin.to(DEV)
+    slots = torch.tensor([7, 3, -1, 19, 0, -1], device=DEV)
+    q, k, v = split_qkv_norm_rope(qkv, Hq, Hkv, D, w, w, 1e-6, cos, sin)
+    kc = torch.full((S, Hkv, D), 5.0, dtype=dtype, device=DEV)
+    vc = torch.full((S, Hkv, D), 5.0, dtype=dtype, device=DEV)
+    q2, k2, v2 = split_qkv_norm_rope(qkv, Hq, Hkv, D, w, w, 1e-6, cos, sin, paged=(kc, vc, slots))
+    assert k2 is None and v2 is None and torch.equal(q2, q)
+    written = slots[slots >= 0]
+    assert torch.equal(kc[written], k[slots >= 0]) and torch.equal(vc[written], v[slots >= 0])
+    untouched = torch.ones(S, dtype=torch.bool, device=DEV)
+    untouched[written] = False
+    assert (kc[untouched] == 5.0).all() and (vc[untouched] == 5.0).all()

@@ -23,15 +23,23 @@ class TritonTargetAttention:
 
         self.ops, self.pool, self.batch = triton_paged, pool, batch
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def kv_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this layer's new k/v rows go, for a model prologue that stores them itself (one launch less)."""
+        return self.pool.k[layer], self.pool.v[layer], self.batch.slot_mapping
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         b = self.batch
-        self.ops.store_kv(k, v, kc, vc, b.slot_mapping)
+        if k is not None and v is not None:  # None: the prologue already wrote them (kv_destination)
+            self.ops.store_kv(k, v, kc, vc, b.slot_mapping)
         return self.ops.paged_attention(q, kc, vc, b.positions, b.query_start, b.kv_lens, b.block_tables,
                                         self.pool.block_size, scale, b.max_q_len, causal=True, max_kv_len=b.max_kv_len)
 
 
 class TritonDraftAttention(TritonTargetAttention):
+    kv_destination = None  # type: ignore[assignment]  (the block's own k/v are never stored)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # type: ignore[override]
                  causal: bool, window: int | None) -> torch.Tensor:
         b = self.batch

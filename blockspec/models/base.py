@@ -9,9 +9,13 @@ import torch
 
 
 class AttentionFn(Protocol):
-    """Stores this forward's k/v for `layer` and returns attention output. q [T, Hq, D], k/v [T, Hkv, D]."""
+    """Stores this forward's k/v for `layer` and returns attention output. q [T, Hq, D], k/v [T, Hkv, D].
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
+    An attention over a paged pool may also offer `kv_destination(layer) -> (k_cache, v_cache, slot_mapping)`: a
+    model whose fused prologue writes k/v into those caches itself then passes k = v = None."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 scale: float) -> torch.Tensor: ...
 
 
 @dataclass
