@@ -137,6 +137,12 @@ def test_cuda_fused_draft_prologue_matches_unfused(dtype):
         m.fuse_qkv()
         assert attn.qkv_weight is not None
         kv, out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
+        kc = torch.zeros(12, *kv[0].shape[1:], dtype=dtype, device="cuda")
+        vc = torch.zeros_like(kc)
+        slots = torch.tensor([4, -1, 0, 11, 7, 2, -1], device="cuda")
+        assert attn.kv(x, cos, sin, paged=(kc, vc, slots)) == (None, None)  # written into the pool instead
+        ok = slots >= 0
+        assert torch.equal(kc[slots[ok]], kv[0][ok]) and torch.equal(vc[slots[ok]], kv[1][ok])
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
         assert a.shape == b.shape and ((a.float() - b.float()).abs() <= tol * b.float().abs().clamp_min(1.0)).all()

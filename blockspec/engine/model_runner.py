@@ -168,8 +168,12 @@ class ModelRunner:
 
     def _append_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write draft-context K/V of committed rows into the draft pages (same slots as their target KV; -1 skips)."""
-        for layer, (k, v) in enumerate(self.draft.model.context_kv(taps, positions)):
-            self.backend.store(self.pool.draft_k[layer], self.pool.draft_v[layer], k, v, slots)
+        pool = self.pool
+        kvs = self.draft.model.context_kv(taps, positions,
+                                          lambda layer: (pool.draft_k[layer], pool.draft_v[layer], slots))
+        for layer, (k, v) in enumerate(kvs):
+            if k is not None and v is not None:  # None: the fused GPU prologue wrote them already
+                self.backend.store(pool.draft_k[layer], pool.draft_v[layer], k, v, slots)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:

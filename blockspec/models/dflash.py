@@ -7,17 +7,19 @@ pass. The draft has no embedding or lm_head: the target's are passed in."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.models.llama import MLP
+
+
+PagedDest = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k_cache, v_cache [num_slots, Hkv, D], slot_mapping [N])
 
 
 class DraftAttentionFn(Protocol):
@@ -62,15 +64,17 @@ class DFlashAttention(nn.Module):
         return (self.qkv_weight is not None and x.is_cuda and not torch.is_grad_enabled()
                 and x.dtype == self.qkv_weight.dtype == self.q_norm.weight.dtype)
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> k, v [N, Hkv, D] (k normed and rotated; v untouched)."""
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged: PagedDest | None = None
+           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """x [N, H] -> k, v [N, Hkv, D] (k normed and rotated; v untouched). The fused path writes them into
+        paged = (k_cache, v_cache, slot_mapping) when given, and returns (None, None)."""
         N = x.shape[0]
         if self._fused(x):
             from blockspec.layers.triton_qkv import split_qkv_norm_rope
 
             kv = F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])  # the k and v rows: no q heads
             _, k, v = split_qkv_norm_rope(kv, 0, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                                          self.k_norm.weight, self.k_norm.eps, cos, sin)
+                                          self.k_norm.weight, self.k_norm.eps, cos, sin, paged)
             return k, v
         k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, self.head_dim))
         return apply_rotary(k, cos, sin), self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
@@ -126,11 +130,15 @@ class DFlashDraftModel(nn.Module):
     def shard_sizes(self, param: str) -> list[int]:
         return [self.config.intermediate_size, self.config.intermediate_size]
 
-    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """taps [N, num_taps*H] of committed tokens at `positions` [N] -> per draft layer (k, v) [N, Hkv, D]."""
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor, paged: Callable[[int], PagedDest] | None = None
+                   ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """taps [N, num_taps*H] of committed tokens at `positions` [N] -> per draft layer (k, v) [N, Hkv, D].
+        paged(layer) -> (k_cache, v_cache, slot_mapping): where the fused GPU path may write them itself (a
+        layer's (k, v) is (None, None) then; the caller stores the others)."""
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, cos, sin, paged(i) if paged is not None else None)
+                for i, layer in enumerate(self.layers)]
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
         """embeds [T, H] (raw target embeddings of the block; scaled here), positions [T] -> final-normed [T, H]."""

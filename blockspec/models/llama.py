@@ -80,15 +80,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h: torch.Tensor | None, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+                attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual stream h (None before layer 0, where delta is the embedding) and the previous layer's output
-        delta -> (h, this layer's output). The add of each output into the stream is fused with the next norm."""
+        delta -> (h, this layer's output, the stream this layer started from = the previous layer's output stream).
+        The add of each output into the stream is fused with the next norm."""
         if h is None:
             h, x = delta, self.input_layernorm(delta)
         else:
             x, h = self.input_layernorm.add_forward(delta, h)
+        h_in = h
         x, h = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, attn), h)
-        return h, self.mlp(x)
+        return h, self.mlp(x), h_in
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,9 +142,9 @@ class LlamaForCausalLM(nn.Module):
         taps: list[torch.Tensor | None] = [None] * len(tap_layers)
         h = None
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, cos, sin, attn)
-            if i in wanted:  # the stream after layer i (the next fused add computes the same sum again)
-                taps[wanted[i]] = h + delta
+            h, delta, h_in = layer(h, delta, cos, sin, attn)
+            if i - 1 in wanted:  # the stream after layer i-1: the sum layer i's fused add-norm just formed
+                taps[wanted[i - 1]] = h_in
         hidden, _ = self.norm.add_forward(delta, h)
         last = len(self.layers) - 1
         if last in wanted:  # HF's hidden_states[n] is the final-normed output; drafters are trained on that
