@@ -172,5 +172,5 @@ class DecodeStep:
         dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), buf.query_start, start.int(), buf.block_tables, K1, None)
         hidden = draft.model(lm.embed_tokens(ids.flatten()), dpos, r.backend.draft(pool, dbatch))
         hidden = hidden.view(B, K1, -1)[:, 1:].reshape(B * K, -1)
-        drafts = draft.model.compute_logits(hidden, lm.lm_head).argmax(-1).view(B, K)
+        drafts = draft.model.greedy_drafts(hidden, lm.lm_head).view(B, K)
         return torch.cat([tokens, n[:, None], drafts], dim=1)

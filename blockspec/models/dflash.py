@@ -153,6 +153,13 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse_qkv()
 
+    def greedy_drafts(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """argmax of compute_logits; without multiplier or softcap the fp32 copy of [rows, vocab] logits cannot change
+        the argmax (the cast is exact), so it is skipped."""
+        if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
+            return lm_head(hidden).argmax(-1)
+        return self.compute_logits(hidden, lm_head).argmax(-1)
+
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden).float()
         if self.config.output_multiplier != 1.0:
