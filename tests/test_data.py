@@ -326,6 +326,9 @@ def test_draft_data_cli(target, tmp_path, capsys):
                "--out", str(tmp_path / "o2")])
     assert rc == 2
     assert capsys.readouterr().err == f"blockspec: error: prompt file {tmp_path}/missing.json: no such file\n"
+    rc = main(["draft-data", "--target", str(target.source.path), "--prompts", str(f), "--out", str(tmp_path / "o3"),
+               "--device", "cpu", "--num-draft-tokens", "3"])
+    assert rc == 2 and capsys.readouterr().err == "blockspec: error: --num-draft-tokens needs --draft\n"
 
 
 def test_build_dataset_with_a_drafter_writes_the_same_data(target, tmp_path):

@@ -24,6 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="SRC",
                    help="generate with speculative decoding using this DFlash drafter of the target (greedy only; "
                         "same data, less time)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="drafts verified per step with --draft (default: the drafter's block size - 1)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
 
@@ -36,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise BlockspecError(f"--limit must be >= 1, got {args.limit}")
+    if args.num_draft_tokens is not None and args.draft is None:
+        raise BlockspecError("--num-draft-tokens needs --draft")
     found = read_prompts(args.prompts, first_turn_only=args.first_turn_only)
     for f in found.files:
         print(f"{f.path}: {f.num_records} records, {len(f.prompts)} prompts", file=sys.stderr)
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         from blockspec.config import SpeculativeConfig
         from blockspec.loading.draft_loader import load_draft
 
-        draft = load_draft(SpeculativeConfig(draft_model=args.draft), lm)
+        draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
     manifest = build_dataset(
         lm, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
         chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_batch_size,
