@@ -63,8 +63,9 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not SeqStatus.RUNNING:  # preempted while reserving for an older request (O(1), not a
-                continue                             # list scan: hundreds of requests run at once)
+            # preempted while reserving for an older request (a status check, not a scan of hundreds of requests)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
             if seq.in_prefill:
                 rows = min(seq.prefill_len - seq.num_computed, budget)
             else:
