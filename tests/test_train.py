@@ -56,6 +56,24 @@ def test_learns_the_synthetic_task_to_a_real_tau(cycles, tmp_path):
     _check_training_replays_the_engine(lm, setup, cfg, prompts)
 
 
+def test_held_out_sequences_are_scored_and_never_trained_on(cycles, tmp_path):
+    lm, seqs = cycles
+    cfg = TrainConfig(num_anchors=32, epochs=4, lr=3e-3, warmup_ratio=0.1, batch_anchors=128, max_seq_len=256,
+                      eval_every=20, val_fraction=0.25)
+    setup = new_draft(lm, SHAPE, seed=0, device=CPU)
+    report = train(lm, setup, prepare(seqs, cfg, 8, "mem"), cfg, tmp_path, None, use_tqdm=False)
+    held = report["data"]["held_out_sequences"]
+    assert held == 10 and report["data"]["sequences"] == 30
+    total = sum(len(s.input_ids) for s in seqs)
+    assert report["target_tokens"] == 4 * report["data"]["tokens"] and report["data"]["tokens"] < total
+    vals = [e["val"] for e in report["evals"]]
+    assert [e["step"] for e in report["evals"]] == [20, report["steps"]] and all(v["sequences"] == 10 for v in vals)
+    assert vals[-1]["loss"] < vals[0]["loss"] and vals[-1]["tau"] > vals[0]["tau"], vals
+    assert report["val"] == vals[-1] and report["tau"] is None  # no engine evaluation without prompts
+    with pytest.raises(Exception, match="val_fraction=1.0 must be in"):
+        TrainConfig(val_fraction=1.0)
+
+
 def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     """End-to-end parity: greedy spec decoding of each prompt, then the TRAINING forward over prompt + output with
     every response position as an anchor. Walking the blocks the way verification does (next anchor = anchor +

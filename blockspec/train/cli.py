@@ -57,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--eval-num-prompts", type=int, default=8, help="0 disables evaluation")
     e.add_argument("--eval-every", type=int, default=1000, help="optimizer steps between evaluations (0: at the end)")
     e.add_argument("--eval-max-tokens", type=int, default=256)
+    e.add_argument("--val-fraction", type=float, default=0.0,
+                   help="training sequences held out and scored at every evaluation: loss, per-slot accuracy and "
+                        "block acceptance length next to the training windows' (shows overfitting); e.g. 0.02")
     d = p.add_argument_group("data generation (--prompts)")
     d.add_argument("--gen-max-tokens", type=int, default=1024, help="longest regenerated response")
     d.add_argument("--prompt-limit", type=int, default=None, help="use only the first N prompts")
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         batch_anchors=args.batch_anchors, batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len,
         seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, save_every=args.save_every,
         eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens, attention=args.attention,
+        val_fraction=args.val_fraction,
     )
     if args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
@@ -115,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     data = prepare(seqs, cfg, setup.model.config.block_size, str(data_dir))
     report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume)
     tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
+    if report["val"] is not None:
+        tau += f", held-out block tau {report['val']['tau']:.2f}"
     print(f"trained {report['steps']} steps on {report['target_tokens']} target tokens in {report['train_time_s']}s "
           f"({report['tokens_per_s']} tokens/s){tau}; drafter written to {out}", file=sys.stderr)
     return 0

@@ -9,7 +9,7 @@ from blockspec.errors import ConfigError
 
 # Fields that fix the sequence of batches and updates: a checkpoint resumes only under the same values.
 TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_ratio", "grad_clip", "grad_accum",
-                     "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention")
+                     "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction")
 
 
 @dataclass
@@ -34,6 +34,7 @@ class TrainConfig:
     eval_max_tokens: int = 256
     log_every: int = 10  # optimizer steps per line of train_log.jsonl
     attention: str = "auto"  # flex | sdpa | auto (flex on CUDA, sdpa on CPU)
+    val_fraction: float = 0.0  # sequences held out of training, scored at every evaluation (train/validate.py)
 
     def __post_init__(self) -> None:
         positive = ("num_anchors", "epochs", "grad_accum", "batch_anchors", "max_seq_len", "save_every",
@@ -56,6 +57,8 @@ class TrainConfig:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0 and grad_clip={self.grad_clip!r} > 0")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ConfigError(f"loss_gamma={self.loss_gamma!r} must be > 0")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"val_fraction={self.val_fraction!r} must be in [0, 1)")
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ConfigError(f"attention={self.attention!r} must be one of auto, flex, sdpa")
         if self.batch_anchors < self.num_anchors:

@@ -23,6 +23,7 @@ from blockspec.train.dataset import TrainingSet, capacity, plan_epochs
 from blockspec.train.evaluate import evaluate_tau
 from blockspec.train.export import save_draft
 from blockspec.train.forward import TrainingForward
+from blockspec.train.validate import split_validation, validate
 
 REPORT = "train_report.json"
 LOG = "train_log.jsonl"
@@ -93,6 +94,7 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     device = next(model.parameters()).device
     B = model.config.block_size
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    data, val = split_validation(data, cfg.val_fraction, cfg.seed)
     cap = capacity(data, cfg, B, pad=attention == "flex")
     plans = plan_epochs(data, cap, cfg)
     total_steps = sum(math.ceil(len(p) / cfg.grad_accum) for p in plans)
@@ -114,12 +116,19 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
                disable=not use_tqdm, dynamic_ncols=True)
 
     def evaluate() -> None:
+        t0 = time.perf_counter()
+        entry: dict[str, Any] = {"step": progress.step}
+        said = []
         if eval_prompts:
-            t0 = time.perf_counter()
-            result = evaluate_tau(lm, model, eval_prompts, cfg.eval_max_tokens)
+            entry.update(evaluate_tau(lm, model, eval_prompts, cfg.eval_max_tokens))
+            said.append(f"tau {entry['tau']:.3f} on {len(eval_prompts)} held-out prompts")
+        if val is not None:
+            entry["val"] = v = validate(fwd, val, cap, cfg, setup.mask_token_id, w_slot)
+            said.append(f"held-out sequences: loss {v['loss']:.3f}, acc {v['acc_mean']:.3f}, block tau {v['tau']:.2f}")
+        if said:
             progress.eval_time_s += time.perf_counter() - t0
-            progress.evals.append({"step": progress.step, **result})
-            bar.write(f"step {progress.step}: tau {result['tau']:.3f} on {len(eval_prompts)} held-out prompts")
+            progress.evals.append(entry)
+            bar.write(f"step {progress.step}: {'; '.join(said)}")
 
     def step_batches(epoch: int, start: int) -> tuple[list[MicroBatch], float]:
         """The micro-batches of the optimizer step starting at plan index `start`, on the device, and their total
@@ -193,13 +202,13 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         evaluate()
     save_draft(model, setup.config, out)
     save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config)
-    report = _report(progress, cfg, data, cap, total_steps, attention, device)
+    report = _report(progress, cfg, data, val, cap, total_steps, attention, device)
     (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
-def _report(progress: Progress, cfg: TrainConfig, data: TrainingSet, cap, total_steps: int, attention: str,
-            device: torch.device) -> dict[str, Any]:
+def _report(progress: Progress, cfg: TrainConfig, data: TrainingSet, val: TrainingSet | None, cap, total_steps: int,
+            attention: str, device: torch.device) -> dict[str, Any]:
     t = progress.train_time_s
     return {
         "steps": progress.step, "planned_steps": total_steps, "epoch": progress.epoch, "micro_batch": progress.micro,
@@ -209,9 +218,11 @@ def _report(progress: Progress, cfg: TrainConfig, data: TrainingSet, cap, total_
         "blocks_per_s": round(progress.blocks / t, 1) if t > 0 else None,
         "gpu_minutes": round((t + progress.eval_time_s) / 60, 2) if device.type == "cuda" else None,
         "final": progress.last_log, "evals": progress.evals,
-        "tau": progress.evals[-1]["tau"] if progress.evals else None,
+        "tau": progress.evals[-1].get("tau") if progress.evals else None,
+        "val": progress.evals[-1].get("val") if progress.evals else None,
         "data": {"sequences": len(data.seqs), "tokens": data.num_tokens, "anchors_per_epoch": sum(data.anchors),
-                 "dropped_without_anchor": data.num_dropped, "cut_to_max_seq_len": data.num_cut},
+                 "dropped_without_anchor": data.num_dropped, "cut_to_max_seq_len": data.num_cut,
+                 "held_out_sequences": len(val.seqs) if val is not None else 0},
         "micro_batch_capacity": {"tokens": cap.tokens, "anchors": cap.anchors, "padded": cap.pad},
         "attention": attention, "device": str(device), "torch": torch.__version__, "config": cfg.to_dict(),
     }

@@ -1,0 +1,56 @@
+"""Held-out training sequences: the loss, per-slot accuracy and acceptance length of the training blocks that the
+drafter reaches on sequences it never trains on. Next to the same figures of the training windows this shows
+overfitting directly; the engine's tau on evaluation prompts mixes it with the shift to another prompt set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from blockspec.errors import BlockspecError
+from blockspec.train.batches import Capacity, build_micro_batch, generator, plan_epoch
+from blockspec.train.config import TrainConfig
+from blockspec.train.dataset import TrainingSet
+from blockspec.train.forward import TrainingForward
+
+
+def split_validation(data: TrainingSet, fraction: float, seed: int) -> tuple[TrainingSet, TrainingSet | None]:
+    """(training set, held-out set or None): round(fraction x sequences) sequences, at least 1, drawn by seed."""
+    if fraction <= 0:
+        return data, None
+    n = len(data.seqs)
+    k = max(1, round(n * fraction))
+    if k >= n:
+        raise BlockspecError(f"val_fraction={fraction} holds out {k} of {n} sequences: nothing left to train on")
+    held = sorted(torch.randperm(n, generator=generator(seed, 3)).tolist()[:k])
+    out = set(held)
+    keep = [i for i in range(n) if i not in out]
+    train = TrainingSet([data.seqs[i] for i in keep], [data.anchors[i] for i in keep], data.num_dropped,
+                        data.num_cut)
+    return train, TrainingSet([data.seqs[i] for i in held], [data.anchors[i] for i in held], 0, 0)
+
+
+@torch.no_grad()
+def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainConfig, mask_token_id: int,
+             slot_w: torch.Tensor) -> dict[str, Any]:
+    """Weighted loss, per-slot argmax accuracy (slots 1..B-1) and block acceptance length over the held-out set,
+    with the same anchors at every call (fixed generators), so successive values are comparable."""
+    B, device = cap.block_size, fwd.device
+    plan = plan_epoch([len(s.input_ids) for s in val.seqs], val.anchors, cap, generator(cfg.seed, 4))
+    loss = torch.zeros((), device=device)
+    hits, count = torch.zeros(B, device=device), torch.zeros(B, device=device)
+    accepted, weight, blocks = torch.zeros((), device=device), 0.0, 0
+    for j, ids in enumerate(plan):
+        mb = build_micro_batch([val.seqs[i] for i in ids], cap, cfg.num_anchors, mask_token_id, slot_w,
+                               generator(cfg.seed, 5, j))
+        weight += float(mb.weights.sum())
+        blocks += mb.num_blocks
+        r = fwd(mb.to(device))
+        loss += r.loss_sum
+        hits.index_add_(0, r.slots, r.hits.float())
+        count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
+        accepted += r.accepted
+    acc = (hits / count.clamp(min=1))[1:].tolist()
+    return {"loss": loss.item() / max(weight, 1e-12), "acc": [round(a, 4) for a in acc],
+            "acc_mean": sum(acc) / len(acc), "tau": 1 + accepted.item() / max(blocks, 1), "sequences": len(val.seqs)}
