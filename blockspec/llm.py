@@ -81,7 +81,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req") as bar:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)

@@ -119,10 +119,12 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step. finished_only: outputs only for requests that finished (offline callers; saves copying
+        every running request's tokens and trace each step, which adds up at hundreds of requests)."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return self._outputs([])
+            return self._outputs([], finished_only)
         results = self.runner.step(scheduled)
         for r in results:
             try:
@@ -148,12 +150,14 @@ class LLMEngine:
                 seq.drafts, seq.draft_probs = [], None
         if to_draft:
             self.runner.propose(to_draft, ks)
-        return self._outputs([r.seq for r in results])
+        return self._outputs([r.seq for r in results], finished_only)
 
-    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+    def _outputs(self, seqs: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
         seqs, self._aborted = seqs + self._aborted, []
         outs = []
         for seq in seqs:
+            if finished_only and not seq.finished:
+                continue
             new = seq.output_ids[seq.num_streamed:]
             if seq.final_sent or (not new and not seq.finished):
                 continue
