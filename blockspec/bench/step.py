@@ -102,9 +102,12 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
 
     llm = LLM.from_loaded(lm, draft, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64), bench_forced_tau=tau)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B)]
+    prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B + 1)]
+    warm, prompts = prompts[:1], prompts[1:]
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)  # capture graphs
+    # capture graphs and compile the prefill kernels on a prompt of the same length that is NOT timed: reusing a
+    # timed prompt would make its prefill a prefix-cache hit of another shape (a Triton compile inside the timing)
+    llm.generate(warm, SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)
     host = _instrument(llm.engine)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
