@@ -94,8 +94,8 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     device = next(model.parameters()).device
     B = model.config.block_size
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    cap = capacity(data, cfg, B, pad=attention == "flex")  # before the split: held-out sequences must fit too
     data, val = split_validation(data, cfg.val_fraction, cfg.seed)
-    cap = capacity(data, cfg, B, pad=attention == "flex")
     plans = plan_epochs(data, cap, cfg)
     total_steps = sum(math.ceil(len(p) / cfg.grad_accum) for p in plans)
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
