@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from blockspec.train.dataset import TrainingSet, capacity, plan_epochs
 from blockspec.train.evaluate import evaluate_tau
 from blockspec.train.export import save_draft
 from blockspec.train.forward import TrainingForward
+from blockspec.train.metrics import Window
 from blockspec.train.validate import split_validation, validate
 
 REPORT = "train_report.json"
@@ -52,29 +53,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-class Window:
-    """Loss and per-slot accuracy summed over the steps since the last log line (device tensors: no syncs)."""
-
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        self.B, self.device = block_size, device
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.weight = 0.0
-        self.hits = torch.zeros(self.B, device=self.device)
-        self.count = torch.zeros(self.B, device=self.device)
-        self.accepted = torch.zeros((), device=self.device)
-        self.tokens, self.blocks, self.t0 = 0, 0, time.perf_counter()
-
-    def summary(self) -> dict[str, Any]:
-        acc = (self.hits / self.count.clamp(min=1))[1:].tolist()
-        dt = time.perf_counter() - self.t0
-        return {"loss": self.loss.item() / max(self.weight, 1e-12), "acc": [round(a, 4) for a in acc],
-                "acc_mean": sum(acc) / len(acc), "tau": 1 + self.accepted.item() / max(self.blocks, 1),
-                "tokens_per_s": self.tokens / dt if dt > 0 else 0.0}
 
 
 def _check_grads(model: torch.nn.Module) -> None:
@@ -149,11 +127,7 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             r = fwd(mb)
             (r.loss_sum / total_w).backward()
             step_loss += r.loss_sum.detach()
-            window.hits.index_add_(0, r.slots, r.hits.float())
-            window.count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
-            window.accepted += r.accepted
-            window.tokens += mb.num_tokens
-            window.blocks += mb.num_blocks
+            window.add(r, mb)
             progress.tokens += mb.num_tokens
             progress.blocks += mb.num_blocks
         if progress.step == 0:
@@ -162,7 +136,6 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        window.loss += step_loss
         window.weight += total_w
         progress.step += 1
         progress.micro += len(mbs)

@@ -13,6 +13,7 @@ from blockspec.train.batches import Capacity, build_micro_batch, generator, plan
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import TrainingSet
 from blockspec.train.forward import TrainingForward
+from blockspec.train.metrics import Window
 
 
 def split_validation(data: TrainingSet, fraction: float, seed: int) -> tuple[TrainingSet, TrainingSet | None]:
@@ -38,19 +39,12 @@ def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainCo
     with the same anchors at every call (fixed generators), so successive values are comparable."""
     B, device = cap.block_size, fwd.device
     plan = plan_epoch([len(s.input_ids) for s in val.seqs], val.anchors, cap, generator(cfg.seed, 4))
-    loss = torch.zeros((), device=device)
-    hits, count = torch.zeros(B, device=device), torch.zeros(B, device=device)
-    accepted, weight, blocks = torch.zeros((), device=device), 0.0, 0
+    window = Window(B, device)
     for j, ids in enumerate(plan):
         mb = build_micro_batch([val.seqs[i] for i in ids], cap, cfg.num_anchors, mask_token_id, slot_w,
                                generator(cfg.seed, 5, j))
-        weight += float(mb.weights.sum())
-        blocks += mb.num_blocks
-        r = fwd(mb.to(device))
-        loss += r.loss_sum
-        hits.index_add_(0, r.slots, r.hits.float())
-        count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
-        accepted += r.accepted
-    acc = (hits / count.clamp(min=1))[1:].tolist()
-    return {"loss": loss.item() / max(weight, 1e-12), "acc": [round(a, 4) for a in acc],
-            "acc_mean": sum(acc) / len(acc), "tau": 1 + accepted.item() / max(blocks, 1), "sequences": len(val.seqs)}
+        window.weight += float(mb.weights.sum())  # on the host, before the copy
+        mb = mb.to(device)
+        window.add(fwd(mb), mb)
+    s = window.summary()
+    return {k: s[k] for k in ("loss", "acc", "acc_mean", "tau")} | {"sequences": len(val.seqs)}

@@ -1,0 +1,42 @@
+"""Running training metrics over a window of micro-batches: weighted loss, draft-argmax accuracy per block slot and
+the acceptance length those hits give on the blocks (device tensors, so adding never syncs with the host)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from blockspec.train.batches import MicroBatch
+from blockspec.train.forward import ForwardResult
+
+
+class Window:
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.B, self.device = block_size, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.weight = 0.0  # total loss weight, added by the caller from host-side sums
+        self.hits = torch.zeros(self.B, device=self.device)
+        self.count = torch.zeros(self.B, device=self.device)
+        self.accepted = torch.zeros((), device=self.device)
+        self.tokens, self.blocks, self.t0 = 0, 0, time.perf_counter()
+
+    def add(self, r: ForwardResult, mb: MicroBatch) -> None:
+        self.loss += r.loss_sum.detach()
+        self.hits.index_add_(0, r.slots, r.hits.float())
+        self.count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
+        self.accepted += r.accepted
+        self.tokens += mb.num_tokens
+        self.blocks += mb.num_blocks
+
+    def summary(self) -> dict[str, Any]:
+        """loss (weighted mean), acc [B-1] (slots 1..B-1), acc_mean, tau (per block), tokens_per_s since reset."""
+        acc = (self.hits / self.count.clamp(min=1))[1:].tolist()
+        dt = time.perf_counter() - self.t0
+        return {"loss": self.loss.item() / max(self.weight, 1e-12), "acc": [round(a, 4) for a in acc],
+                "acc_mean": sum(acc) / len(acc), "tau": 1 + self.accepted.item() / max(self.blocks, 1),
+                "tokens_per_s": self.tokens / dt if dt > 0 else 0.0}
