@@ -21,6 +21,7 @@ from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence, block_tables
 from blockspec.kv.pool import KVPool
+from blockspec.layers import kernels
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingRows, processed_probs_rows, race, sample_rows
@@ -47,7 +48,7 @@ class ModelRunner:
         self.device = next(lm.model.parameters()).device
         self.backend = get_backend(attention_backend, self.device)
         self.taps = draft.spec.target_layer_ids if draft is not None else []
-        if draft is not None and self.device.type == "cuda":
+        if draft is not None and kernels.fused_device(self.device):
             draft.model.fuse_qkv()  # one GEMM + one Triton prologue per draft layer (idempotent)
         self.max_model_len = max_model_len
         self.vocab_size = lm.config.vocab_size

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from blockspec.layers import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -11,7 +13,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == self.weight.dtype and not torch.is_grad_enabled():  # no backward in Triton
+        if kernels.fused(x) and x.dtype == self.weight.dtype:  # no backward in Triton
             from blockspec.layers.triton_norm import rmsnorm
 
             return rmsnorm(x, self.weight, self.eps)
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add fused with the norm after it: (norm(residual + x), residual + x)."""
-        if x.is_cuda and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+        if kernels.fused(x) and x.dtype == self.weight.dtype:
             from blockspec.layers.triton_norm import add_rmsnorm
 
             return add_rmsnorm(x, residual, self.weight, self.eps)

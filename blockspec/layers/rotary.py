@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ModelLoadError
+from blockspec.layers import kernels
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -97,7 +98,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]."""
-    if x.is_cuda and not torch.is_grad_enabled():
+    if kernels.fused(x):
         from blockspec.layers.triton_rotary import rotary_
 
         return rotary_(x.contiguous(), cos, sin)  # contiguous() copies views, so the caller's tensor is untouched

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers import kernels
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.dflash_config import DFlashConfig
@@ -61,7 +62,7 @@ class DFlashAttention(nn.Module):
         self.qkv_weight = w
 
     def _fused(self, x: torch.Tensor) -> bool:
-        return (self.qkv_weight is not None and x.is_cuda and not torch.is_grad_enabled()
+        return (self.qkv_weight is not None and kernels.fused(x)
                 and x.dtype == self.qkv_weight.dtype == self.q_norm.weight.dtype)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged: PagedDest | None = None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers import kernels
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.base import AttentionFn, ForwardOutput
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         qn, kn = self.q_norm, self.k_norm
-        if qkv.is_cuda and not torch.is_grad_enabled() and (qn is None or qn.weight.dtype == qkv.dtype):
+        if kernels.fused(qkv) and (qn is None or qn.weight.dtype == qkv.dtype):
             from blockspec.layers.triton_qkv import split_qkv_norm_rope
 
             norms = (qn.weight, kn.weight, qn.eps) if qn is not None else (None, None, 0.0)
@@ -63,7 +64,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and not torch.is_grad_enabled():  # the Triton kernel has no backward
+        if kernels.fused(gate_up):  # the Triton kernel has no backward
             from blockspec.layers.triton_norm import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
