@@ -12,9 +12,11 @@ BLOCKSPEC=${BLOCKSPEC:-python3 -m blockspec.cli}
 mkdir -p "$WORK" "$OUT"
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -
 
+# DRAFT=an earlier drafter of this target: the responses are generated with speculative decoding (same tokens,
+# less time). LIMIT=N uses the first N prompts only.
 if [ ! -f "$WORK/data/manifest.json" ]; then
-  $BLOCKSPEC draft-data --target "$GGUF" --prompts "$PROMPTS" --out "$WORK/data" --limit "${LIMIT:-14000}" \
-    --max-tokens "${GEN_TOKENS:-384}" --max-batch-size 512
+  $BLOCKSPEC draft-data --target "$GGUF" --prompts "$PROMPTS" --out "$WORK/data" ${LIMIT:+--limit "$LIMIT"} \
+    --max-tokens "${GEN_TOKENS:-256}" --max-batch-size 512 ${DRAFT:+--draft "$DRAFT" --num-draft-tokens 7}
 fi
 cp "$WORK/data/manifest.json" "$OUT/data_manifest.json"
 
@@ -22,7 +24,7 @@ resume=""
 [ -f "$WORK/run/checkpoint.pt" ] && resume="--resume"
 $BLOCKSPEC train-draft --target "$GGUF" --data "$WORK/data" --out "$WORK/run" --draft-layers "${LAYERS:-3}" \
   --block-size 16 --epochs "${EPOCHS:-6}" --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
-  --eval-every 1000 $resume
+  --eval-every 1000 --val-fraction 0.02 $resume
 cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
 
 for set in humaneval mtbench; do
