@@ -148,7 +148,8 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="K drafts per block for the bundled drafter (default: block_size - 1)")
+                   help="K drafts per block for the bundled drafter (default: 2 on CPU, where verifying more rows "
+                        "costs more than they gain, see docs/perf.md; block_size - 1 elsewhere)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

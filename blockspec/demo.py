@@ -14,6 +14,8 @@ from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.textstream import TextStreamer
 
+CPU_DRAFT_TOKENS = 2
+
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain in two sentences why the sky is blue.",
@@ -54,6 +56,9 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     t0 = time.perf_counter()
     lm = load_model(model, device=device)
     assert lm.tokenizer is not None
+    if num_draft_tokens is None and next(lm.model.parameters()).device.type == "cpu":
+        # a CPU spec step at K = 2 costs 1.35x a plain one, at K = 3 1.84x (docs/perf.md): short blocks pay there
+        num_draft_tokens = CPU_DRAFT_TOKENS
     draft = _load_bundled_draft(lm, num_draft_tokens) if model is None else None
     print(f"loaded {lm.source.name}{' + the bundled DFlash drafter' if draft else ''} in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
