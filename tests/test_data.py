@@ -12,7 +12,7 @@ import pytest
 
 import blockspec.data.prompts as prompts_mod
 from blockspec.data.builder import build_dataset
-from blockspec.data.code_prompts import COMPLETE, TEMPLATES
+from blockspec.data.code_prompts import COMPLETE, SOLVE, TEMPLATES
 from blockspec.data.eval_prompts import EVAL_SETS, load_eval_items, load_eval_prompts
 from blockspec.data.exclusion import filter_prompts, normalized_hash
 from blockspec.data.prompts import read_prompt_file, read_prompts
@@ -108,7 +108,7 @@ def test_code_prompts(tmp_path):
     stubs = ['def documented(a, b):\n    """Add two numbers."""', None, None]  # classes get no completion stub
     assert len(got.prompts) == 3
     for body, stub, prompt in zip(bodies, stubs, got.prompts):
-        allowed = {t.format(body) for t in TEMPLATES} | ({COMPLETE.format(stub)} if stub else set())
+        allowed = {t.format(body) for t in TEMPLATES} | ({COMPLETE.format(stub), SOLVE.format(stub)} if stub else set())
         assert prompt in allowed, prompt
     assert read_prompt_file(tmp_path / "pkg").prompts == got.prompts  # deterministic
 

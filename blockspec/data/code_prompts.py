@@ -1,5 +1,5 @@
 """Code prompts from Python sources: each top-level function or class of moderate size becomes one request to explain,
-complete or test it. Cheap extra coding data for drafter training (the target writes the answers)."""
+review, test, complete or solve it. Cheap extra coding data for drafter training (the target writes the answers)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ TEMPLATES = (
     "Review this Python code and suggest improvements:\n" + _FENCE,
 )
 COMPLETE = "Complete the implementation of this Python function:\n" + _FENCE
+# the wording the DFlash authors give HumanEval problems (eval_prompts.py): a documented stub in that form is the
+# closest training request to the evaluation's, without using its problems
+SOLVE = "Write a solution to the following problem and make sure that it passes the tests:\n" + _FENCE
 
 
 def _units(source: str) -> list[tuple[str, str | None]]:
@@ -58,10 +61,9 @@ def code_prompts(path: Path) -> PromptFile:
             continue
         for body, stub in _units(source):
             units += 1
-            # deterministic, evenly spread choice of the request kind
-            k = int(hashlib.sha256(body.encode()).hexdigest()[:8], 16) % (len(TEMPLATES) + 1)
-            if k == len(TEMPLATES) and stub is not None:
-                prompts.append(COMPLETE.format(stub))
-            else:
-                prompts.append(TEMPLATES[k % len(TEMPLATES)].format(body))
+            # deterministic, evenly spread choice of the request kind; documented functions may also be stubs to
+            # complete or solve
+            kinds = TEMPLATES + ((COMPLETE, SOLVE) if stub is not None else ())
+            kind = kinds[int(hashlib.sha256(body.encode()).hexdigest()[:8], 16) % len(kinds)]
+            prompts.append(kind.format(stub if kind in (COMPLETE, SOLVE) else body))
     return PromptFile(str(path), prompts, units)
