@@ -15,7 +15,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from blockspec.data.code_prompts import code_prompts
+from blockspec.data.code_prompts import COMPLETE, SOLVE, code_prompts
 from blockspec.data.exclusion import filter_prompts
 from blockspec.data.prompts import read_prompts
 
@@ -34,16 +34,19 @@ def main() -> None:
     chat = [t for t in turns if len(t) <= a.max_chars]
     code: list[str] = []
     for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "test" in f.parts or "idlelib" in f.parts or len(code) > 4 * a.num_code:
+        if "test" in f.parts or "idlelib" in f.parts:
             continue
         try:
-            code += code_prompts(f).prompts
+            code += [c for c in code_prompts(f).prompts if len(c) <= 2500]
         except Exception:  # noqa: BLE001 - a module the reader cannot use is simply skipped
             continue
     rng = random.Random(a.seed)
     rng.shuffle(chat)
     rng.shuffle(code)
-    prompts = chat[: a.num_sharegpt] + [c for c in code if len(c) <= 2500][: a.num_code]
+    # documented stubs to complete or solve come first: they are the requests closest to HumanEval's
+    stub = tuple(t.split("{")[0] for t in (COMPLETE, SOLVE))
+    code = [c for c in code if c.startswith(stub)] + [c for c in code if not c.startswith(stub)]
+    prompts = chat[: a.num_sharegpt] + code[: a.num_code]
     rng.shuffle(prompts)
     kept = filter_prompts(prompts)
     with open(a.out, "w") as f:
