@@ -36,3 +36,32 @@ def make_zlab_draft(target_cfg, path: Path, *, layers: int = 2, block_size: int 
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(path))
     return model
+
+
+def check_fused_draft_prologue(model, device: str, dtype: torch.dtype, tol: float) -> None:
+    """fuse_qkv on `model` (mutated): the packed block projection + Triton prologue, and the context K/V (contiguous,
+    and written into a paged pool with slot -1 skipped), equal the unfused path within `tol` (relative)."""
+    attn = model.layers[0].self_attn
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(7, model.config.hidden_size, device=device, generator=g).to(dtype)
+    cos, sin = model.rotary.cos_sin(torch.arange(3, 10, device=device), dtype)
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def capture(layer, q, k, v, scale, causal, window):
+        seen.append((q, k, v))
+        return q
+
+    with torch.no_grad():
+        ref_kv, ref_out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
+        model.fuse_qkv()
+        assert attn.qkv_weight is not None
+        kv, out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
+        kc = torch.zeros(12, *kv[0].shape[1:], dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        slots = torch.tensor([4, -1, 0, 11, 7, 2, -1], device=device)
+        assert attn.kv(x, cos, sin, paged=(kc, vc, slots)) == (None, None)  # written into the pool instead
+    ok = slots >= 0
+    assert torch.equal(kc[slots[ok]], kv[0][ok]) and torch.equal(vc[slots[ok]], kv[1][ok])
+    assert (kc.abs().sum((1, 2)) > 0).sum() == int(ok.sum())  # nothing written for slot -1
+    for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
+        assert a.shape == b.shape and ((a.float() - b.float()).abs() <= tol * b.float().abs().clamp_min(1.0)).all()

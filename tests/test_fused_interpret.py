@@ -44,33 +44,11 @@ def test_fused_paths_under_the_interpreter_equal_the_torch_path(monkeypatch):
 
 
 def test_fused_draft_prologue_under_the_interpreter(monkeypatch):
-    """fuse_qkv on CPU under the interpreter: the packed block projection + kernel and the context K/V (contiguous,
-    and written into a paged pool with slot -1 skipped) equal the unfused path."""
+    """fuse_qkv on CPU under the interpreter (tests/test_gpu.py runs the same check on CUDA)."""
     import torch
 
+    from dflash_utils import check_fused_draft_prologue
     from trained_pair import trained_pair
 
     monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
-    m = copy.deepcopy(trained_pair().draft.model)
-    attn = m.layers[0].self_attn
-    x = torch.randn(7, m.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    cos, sin = m.rotary.cos_sin(torch.arange(3, 10), x.dtype)
-    seen: list[tuple[torch.Tensor, ...]] = []
-
-    def capture(layer, q, k, v, scale, causal, window):
-        seen.append((q, k, v))
-        return q
-
-    with torch.no_grad():
-        ref_kv, ref_out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
-        m.fuse_qkv()
-        kv, out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
-        kc = torch.zeros(12, *kv[0].shape[1:])
-        vc = torch.zeros_like(kc)
-        slots = torch.tensor([4, -1, 0, 11, 7, 2, -1])
-        assert attn.kv(x, cos, sin, paged=(kc, vc, slots)) == (None, None)
-    ok = slots >= 0
-    assert torch.equal(kc[slots[ok]], kv[0][ok]) and torch.equal(vc[slots[ok]], kv[1][ok])
-    assert (kc.abs().sum((1, 2)) > 0).sum() == int(ok.sum())  # nothing written for slot -1
-    for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
-        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    check_fused_draft_prologue(copy.deepcopy(trained_pair().draft.model), "cpu", torch.float32, 1e-5)

@@ -13,7 +13,7 @@ from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
-from dflash_utils import make_zlab_draft
+from dflash_utils import check_fused_draft_prologue, make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -117,32 +117,8 @@ def test_cuda_fp32_engine_equals_cpu_engine():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_draft_prologue_matches_unfused(dtype):
     """fuse_qkv: the drafter's block projection (one GEMM + Triton split/norm/rotary) and its context K/V give the
-    unfused path's q, k, v."""
+    unfused path's q, k, v; the paged variant writes them into the pool."""
     from trained_pair import trained_pair
 
     _, draft = _on_cuda(trained_pair(), dtype)
-    m = draft.model
-    attn = m.layers[0].self_attn
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(7, m.config.hidden_size, device="cuda", generator=g).to(dtype)
-    cos, sin = m.rotary.cos_sin(torch.arange(3, 10, device="cuda"), dtype)
-    seen: list[tuple[torch.Tensor, ...]] = []
-
-    def capture(layer, q, k, v, scale, causal, window):
-        seen.append((q, k, v))
-        return q
-
-    with torch.no_grad():
-        ref_kv, ref_out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
-        m.fuse_qkv()
-        assert attn.qkv_weight is not None
-        kv, out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
-        kc = torch.zeros(12, *kv[0].shape[1:], dtype=dtype, device="cuda")
-        vc = torch.zeros_like(kc)
-        slots = torch.tensor([4, -1, 0, 11, 7, 2, -1], device="cuda")
-        assert attn.kv(x, cos, sin, paged=(kc, vc, slots)) == (None, None)  # written into the pool instead
-        ok = slots >= 0
-        assert torch.equal(kc[slots[ok]], kv[0][ok]) and torch.equal(vc[slots[ok]], kv[1][ok])
-    tol = 1e-5 if dtype == torch.float32 else 2**-6
-    for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
-        assert a.shape == b.shape and ((a.float() - b.float()).abs() <= tol * b.float().abs().clamp_min(1.0)).all()
+    check_fused_draft_prologue(draft.model, "cuda", dtype, 1e-5 if dtype == torch.float32 else 2**-6)
