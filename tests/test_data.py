@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,7 @@ def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
         calls.append(len(prompts))
         if len(calls) == 2:
             raise KeyboardInterrupt
+        time.sleep(0.3)  # the first chunk's time must reach the resumed run's manifest
         return real(self, prompts, *a, **k)
 
     monkeypatch.setattr(LLM, "generate", dies_on_second)
@@ -299,6 +301,7 @@ def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
     monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts)) or real(self, prompts, *a, **k))
     m = build_dataset(target, TRAIN, tmp_path / "cut", **kw)
     assert calls == [2] and m.num_sequences == 6 and not (tmp_path / "cut" / "parts").exists()
+    assert m.meta["generation_time_s"] >= 0.3
     assert [s.input_ids.tolist() for s in read_shards(tmp_path / "cut")] == \
         [s.input_ids.tolist() for s in read_shards(tmp_path / "whole")]
 

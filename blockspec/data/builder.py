@@ -82,7 +82,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     key = hashlib.sha256(json.dumps([str(lm.source.name), lm.config.num_hidden_layers, lm.config.hidden_size, kept,
                                      max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
     reasons: Counter[str] = Counter()
-    t0 = time.perf_counter()
+    seconds = 0.0  # summed over chunks, so a run that resumes reports the whole generation time
     for c, start in enumerate(range(0, len(kept), chunk)):
         part = parts / f"part-{c:05d}"
         if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
@@ -94,11 +94,14 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
             else:
                 params = [SamplingParams(temperature=temperature, seed=seed + start + i, max_tokens=max_tokens)
                           for i in range(len(ids))]
+            t0 = time.perf_counter()
             outs = llm.generate(ids, params, use_tqdm=use_tqdm)
             write_shards(_sequences(ids, [o.token_ids for o in outs]), part,
-                         {"finish_reasons": dict(Counter(o.finish_reason for o in outs)), "key": key})
-        reasons.update(read_manifest(part).meta["finish_reasons"])
-    elapsed = time.perf_counter() - t0
+                         {"finish_reasons": dict(Counter(o.finish_reason for o in outs)), "key": key,
+                          "seconds": round(time.perf_counter() - t0, 2)})
+        meta_c = read_manifest(part).meta
+        reasons.update(meta_c["finish_reasons"])
+        seconds += meta_c.get("seconds", 0.0)
     done = [s for c in range(-(-len(kept) // chunk)) for s in read_shards(parts / f"part-{c:05d}")]
 
     info = {
@@ -108,7 +111,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         "excluded_eval_sets": list(EVAL_SETS) if exclude_eval else [], "num_duplicates": filtered.num_duplicates,
         "num_skipped_length": len(encoded) - len(kept),  # empty, or templated longer than max_prompt_tokens
         "finish_reasons": dict(reasons),
-        "generation_time_s": round(elapsed, 2), **(meta or {}),
+        "generation_time_s": round(seconds, 2), **(meta or {}),
     }
     manifest = write_shards(done, out_dir, info)
     shutil.rmtree(parts)
