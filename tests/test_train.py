@@ -15,6 +15,7 @@ from blockspec.loading.draft_loader import load_draft
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import prepare
 from blockspec.train.evaluate import inference_draft
+from blockspec.train.export import save_draft
 from blockspec.train.setup import DraftShape, draft_from, new_draft
 from blockspec.train.trainer import train
 from test_train_common import MASK, VOCAB, cycle_sequences, random_sequences, tiny_target
@@ -192,11 +193,48 @@ def test_cli_end_to_end(target, tmp_path, capsys):
     assert json.loads((out / "train_report.json").read_text())["steps"] == 5
 
 
+def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
+    # --init --draft-layers N appends layers whose residual branches end in zeros: the grown drafter gives the
+    # same logits as the one it grew from, and one training step moves the zeros; it cannot shrink
+    root, lm = target
+    small = tmp_path / "small"
+    setup = new_draft(lm, DraftShape(num_layers=1, block_size=4, intermediate_size=32), 3, CPU)
+    save_draft(setup.model, setup.config, small, dtype=torch.float32)
+    grown = draft_from(lm, str(small), CPU, num_layers=3, seed=1)
+    assert grown.config["num_hidden_layers"] == 3 and len(grown.config["layer_types"]) == 3
+    for layer in grown.model.layers[1:]:
+        assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+        assert layer.self_attn.q_proj.weight.abs().sum() > 0
+    ids, pos, taps = torch.tensor([5, MASK, MASK, MASK]), torch.arange(6, 10), torch.randn(6, setup.model.fc.in_features)
+    logits = []
+    for m in (setup.model, grown.model):
+        from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
+
+        cache = DenseKVCache.allocate(m.config.num_hidden_layers, 6, m.config.num_key_value_heads, m.config.head_dim,
+                                      torch.float32, CPU)
+        with torch.no_grad():
+            for layer, (k, v) in enumerate(m.context_kv(taps, torch.arange(6))):
+                cache.k[layer], cache.v[layer] = k, v
+            logits.append(m.compute_logits(m(lm.model.embed_tokens(ids), pos, DenseDraftAttention(cache, 6, pos)),
+                                           lm.model.lm_head))
+    assert torch.equal(logits[0], logits[1])
+    out = tmp_path / "out"
+    args = ["train-draft", "--target", str(root), "--data", str(_cli_data(tmp_path)), "--out", str(out), "--device",
+            "cpu", "--eval-num-prompts", "0", "--num-anchors", "8", "--batch-anchors", "16", "--max-steps", "1",
+            "--init", str(small), "--draft-layers", "2"]
+    assert main(args) == 0
+    trained = load_draft(SpeculativeConfig(draft_model=str(out)), lm)
+    assert trained.config.num_hidden_layers == 2 and trained.model.layers[1].self_attn.o_proj.weight.any()
+    assert main(args[:-1] + ["0"]) == 2
+    assert "--draft-layers=0 is below the 1 layers of" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--num-anchors", "64", "--batch-anchors", "32"],
      "batch_anchors=32 is smaller than num_anchors=64: one sequence's blocks would not fit in a micro-batch"),
-    (["--init", "x", "--draft-layers", "2"],
-     "--draft-layers cannot be combined with --init (the drafter's shape comes from x/config.json)"),
+    (["--init", "x", "--block-size", "4"],
+     "--block-size cannot be combined with --init (the drafter's shape comes from x/config.json; only --draft-layers "
+     "may add layers)"),
     (["--target-layer-ids", "0,7"], "train-draft: target_layer_ids=[0, 7] contains 7, but the target has only 3 "
                                     "layers (ids are 0-based)"),
     (["--target-layer-ids", "1,1"], "train-draft: target_layer_ids=[1, 1] must be distinct non-negative layer indices"),

@@ -22,9 +22,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--data", help="pre-built training data directory (`blockspec draft-data`)")
     p.add_argument("--out", required=True, help="output directory: the drafter (config.json + model.safetensors), "
                    "checkpoint.pt, train_log.jsonl, train_report.json")
-    g = p.add_argument_group("drafter (new drafters only; --init takes all of these from its config)")
+    g = p.add_argument_group("drafter (new drafters; --init takes these from its config, except --draft-layers)")
     g.add_argument("--init", default=None, metavar="DIR", help="continue from an exported drafter")
-    g.add_argument("--draft-layers", type=int, default=None, help="draft decoder layers (default 5)")
+    g.add_argument("--draft-layers", type=int, default=None, help="draft decoder layers (default 5); with --init, "
+                   "grows the drafter to N layers, the new ones starting as the identity (it drafts as before)")
     g.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
     g.add_argument("--target-layer-ids", type=_ids, default=None, help="tapped target layers, e.g. 1,8,14,20,27 "
                    "(default: 5 spread over the depth)")
@@ -92,13 +93,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
-    shape_flags = {"--draft-layers": args.draft_layers, "--block-size": args.block_size,
+    shape_flags = {"--block-size": args.block_size,
                    "--target-layer-ids": args.target_layer_ids, "--intermediate-size": args.intermediate_size,
                    "--mask-token-id": args.mask_token_id}
     if args.init is not None and any(v is not None for v in shape_flags.values()):
         given = [k for k, v in shape_flags.items() if v is not None]
         raise BlockspecError(f"{', '.join(given)} cannot be combined with --init (the drafter's shape comes from "
-                             f"{args.init}/config.json)")
+                             f"{args.init}/config.json; only --draft-layers may add layers)")
     lm = load_model(args.target, device=args.device, dtype=args.dtype)
     device = next(lm.model.parameters()).device
     eval_prompts = _eval_prompts(lm, args)
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise BlockspecError(f"{data_dir}: token id {top} is outside the target's vocabulary "
                              f"[0, {lm.config.vocab_size}): the data was made for another target")
     if args.init is not None:
-        setup = draft_from(lm, args.init, device)
+        setup = draft_from(lm, args.init, device, args.draft_layers, args.seed)
     else:
         shape = DraftShape(**{k: v for k, v in {
             "num_layers": args.draft_layers, "block_size": args.block_size, "target_layer_ids": args.target_layer_ids,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from blockspec.config import SpeculativeConfig, resolve_spec
 from blockspec.errors import BlockspecError
 from blockspec.loading.loader import LoadedModel
+from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.train.export import draft_config_dict, random_draft
 from blockspec.train.trainer import DraftSetup
@@ -42,11 +44,41 @@ def new_draft(lm: LoadedModel, shape: DraftShape, seed: int, device: torch.devic
     return DraftSetup(random_draft(cfg, seed).to(device), cfg, spec.target_layer_ids, spec.mask_token_id)
 
 
-def draft_from(lm: LoadedModel, path: str, device: torch.device) -> DraftSetup:
-    """Continue from an exported drafter: its config.json as-is, its weights as fp32 master weights."""
+def draft_from(lm: LoadedModel, path: str, device: torch.device, num_layers: int | None = None,
+               seed: int = 0) -> DraftSetup:
+    """Continue from an exported drafter: its config.json as-is, its weights as fp32 master weights. num_layers
+    above the drafter's own appends layers that start as the identity (see grow_layers)."""
     from blockspec.loading.draft_loader import load_draft
     from blockspec.loading.source import resolve_source
 
     loaded = load_draft(SpeculativeConfig(draft_model=path), lm)
-    model = loaded.model.float().to(device).train().requires_grad_(True)
-    return DraftSetup(model, dict(resolve_source(path).config), loaded.spec.target_layer_ids, loaded.spec.mask_token_id)
+    model, config = loaded.model.float(), dict(resolve_source(path).config)
+    have = model.config.num_hidden_layers
+    if num_layers is not None and num_layers != have:
+        if num_layers < have:
+            raise BlockspecError(f"--draft-layers={num_layers} is below the {have} layers of {path}: a drafter can "
+                                 f"grow on --init, not shrink")
+        model, config = grow_layers(model, config, num_layers, seed)
+    model = model.to(device).train().requires_grad_(True)
+    return DraftSetup(model, config, loaded.spec.target_layer_ids, loaded.spec.mask_token_id)
+
+
+def grow_layers(model: DFlashDraftModel, config: dict[str, Any], num_layers: int, seed: int
+                ) -> tuple[DFlashDraftModel, dict[str, Any]]:
+    """The drafter with layers appended up to num_layers. A new layer's two residual branches end in zero matrices
+    (o_proj, down_proj), so the grown drafter drafts exactly as before and training starts from its acceptance
+    instead of from scratch; the other new matrices are random, so gradients reach the zeros at once."""
+    have = model.config.num_hidden_layers
+    config = dict(config, num_hidden_layers=num_layers,
+                  layer_types=(list(config.get("layer_types") or ["full_attention"] * have)
+                               + ["full_attention"] * (num_layers - have)))
+    grown = random_draft(config, seed)
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing)
+    with torch.no_grad():
+        for layer in grown.layers[have:]:
+            layer.self_attn.o_proj.weight.zero_()
+            if layer.self_attn.o_proj.bias is not None:
+                layer.self_attn.o_proj.bias.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown, config
