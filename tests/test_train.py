@@ -254,12 +254,25 @@ def test_cli_rejects_bad_input(target, tmp_path, capsys, extra, message):
     assert err.startswith("blockspec: error: ") and message in err, err
 
 
+def test_cli_trains_on_several_data_directories(target, tmp_path):
+    root, _ = target
+    a, b = random_sequences(3, torch.Generator().manual_seed(1)), random_sequences(4, torch.Generator().manual_seed(2))
+    write_shards(a, tmp_path / "a")
+    write_shards(b, tmp_path / "b")
+    assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "a"), str(tmp_path / "b"), "--out",
+                 str(tmp_path / "o"), "--device", "cpu", "--eval-num-prompts", "0", "--draft-layers", "1",
+                 "--block-size", "4", "--max-steps", "1"]) == 0
+    data = json.loads((tmp_path / "o" / "train_report.json").read_text())["data"]
+    assert data["sequences"] == 7 and data["tokens"] == sum(len(s.input_ids) for s in a + b)
+
+
 def test_cli_rejects_data_of_another_vocabulary(target, tmp_path, capsys):
     root, _ = target
     seq = random_sequences(1, torch.Generator().manual_seed(0))[0]
     seq.input_ids[3] = 200
     write_shards([seq], tmp_path / "data")
-    assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o"),
-                 "--device", "cpu", "--eval-num-prompts", "0"]) == 2
+    write_shards(random_sequences(2, torch.Generator().manual_seed(1)), tmp_path / "good")
+    assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "good"), str(tmp_path / "data"),
+                 "--out", str(tmp_path / "o"), "--device", "cpu", "--eval-num-prompts", "0"]) == 2
     assert capsys.readouterr().err == (f"blockspec: error: {tmp_path / 'data'}: token id 200 is outside the target's "
                                        f"vocabulary [0, {VOCAB}): the data was made for another target\n")

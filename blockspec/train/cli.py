@@ -19,7 +19,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", nargs="+", metavar="FILE", help="prompt files: the target writes the responses "
                      "into OUT/data first (reused if it exists); formats as for `blockspec draft-data`")
-    src.add_argument("--data", help="pre-built training data directory (`blockspec draft-data`)")
+    src.add_argument("--data", nargs="+", metavar="DIR", help="pre-built training data directories (`blockspec "
+                     "draft-data`), trained on together")
     p.add_argument("--out", required=True, help="output directory: the drafter (config.json + model.safetensors), "
                    "checkpoint.pt, train_log.jsonl, train_report.json")
     g = p.add_argument_group("drafter (new drafters; --init takes these from its config, except --draft-layers)")
@@ -104,12 +105,15 @@ def run(args: argparse.Namespace) -> int:
     device = next(lm.model.parameters()).device
     eval_prompts = _eval_prompts(lm, args)
     out = Path(args.out)
-    data_dir = Path(args.data) if args.data is not None else _generate(lm, args, out / "data")
-    seqs = read_shards(data_dir)
-    top = max(int(s.input_ids.max()) for s in seqs if len(s.input_ids))
-    if top >= lm.config.vocab_size:
-        raise BlockspecError(f"{data_dir}: token id {top} is outside the target's vocabulary "
-                             f"[0, {lm.config.vocab_size}): the data was made for another target")
+    data_dirs = [Path(d) for d in args.data] if args.data is not None else [_generate(lm, args, out / "data")]
+    seqs = []
+    for data_dir in data_dirs:
+        part = read_shards(data_dir)
+        top = max((int(s.input_ids.max()) for s in part if len(s.input_ids)), default=0)
+        if top >= lm.config.vocab_size:
+            raise BlockspecError(f"{data_dir}: token id {top} is outside the target's vocabulary "
+                                 f"[0, {lm.config.vocab_size}): the data was made for another target")
+        seqs += part
     if args.init is not None:
         setup = draft_from(lm, args.init, device, args.draft_layers, args.seed)
     else:
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             "num_layers": args.draft_layers, "block_size": args.block_size, "target_layer_ids": args.target_layer_ids,
             "intermediate_size": args.intermediate_size, "mask_token_id": args.mask_token_id}.items() if v is not None})
         setup = new_draft(lm, shape, args.seed, device)
-    data = prepare(seqs, cfg, setup.model.config.block_size, str(data_dir))
+    data = prepare(seqs, cfg, setup.model.config.block_size, " + ".join(map(str, data_dirs)))
     report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume)
     tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
     if report["val"] is not None:
