@@ -225,6 +225,8 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
     assert main(args) == 0
     trained = load_draft(SpeculativeConfig(draft_model=str(out)), lm)
     assert trained.config.num_hidden_layers == 2 and trained.model.layers[1].self_attn.o_proj.weight.any()
+    resumed = [a if a != "1" else "2" for a in args] + ["--resume"]  # the grown drafter resumes like any other
+    assert main(resumed) == 0 and json.loads((out / "train_report.json").read_text())["steps"] == 2
     assert main(args[:-1] + ["0"]) == 2
     assert "--draft-layers=0 is below the 1 layers of" in capsys.readouterr().err
 
