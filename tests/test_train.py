@@ -201,11 +201,12 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
     setup = new_draft(lm, DraftShape(num_layers=1, block_size=4, intermediate_size=32), 3, CPU)
     save_draft(setup.model, setup.config, small, dtype=torch.float32)
     grown = draft_from(lm, str(small), CPU, num_layers=3, seed=1)
-    assert grown.config["num_hidden_layers"] == 3 and len(grown.config["layer_types"]) == 3
+    assert grown.config["num_hidden_layers"] == 3 and grown.config["layer_types"] == ["full_attention"] * 3
     for layer in grown.model.layers[1:]:
         assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
         assert layer.self_attn.q_proj.weight.abs().sum() > 0
-    ids, pos, taps = torch.tensor([5, MASK, MASK, MASK]), torch.arange(6, 10), torch.randn(6, setup.model.fc.in_features)
+    ids, pos = torch.tensor([5, MASK, MASK, MASK]), torch.arange(6, 10)
+    taps = torch.randn(6, setup.model.fc.in_features)
     logits = []
     for m in (setup.model, grown.model):
         from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
@@ -218,6 +219,13 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
             logits.append(m.compute_logits(m(lm.model.embed_tokens(ids), pos, DenseDraftAttention(cache, 6, pos)),
                                            lm.model.lm_head))
     assert torch.equal(logits[0], logits[1])
+    nested = tmp_path / "nested"  # a config that also keeps the layer count inside dflash_config, where it wins
+    nested.mkdir()
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["dflash_config"]["num_hidden_layers"] = 1
+    (nested / "config.json").write_text(json.dumps(cfg))
+    (nested / "model.safetensors").write_bytes((small / "model.safetensors").read_bytes())
+    assert draft_from(lm, str(nested), CPU, num_layers=2).model.config.num_hidden_layers == 2
     out = tmp_path / "out"
     args = ["train-draft", "--target", str(root), "--data", str(_cli_data(tmp_path)), "--out", str(out), "--device",
             "cpu", "--eval-num-prompts", "0", "--num-anchors", "8", "--batch-anchors", "16", "--max-steps", "1",
@@ -225,7 +233,8 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
     assert main(args) == 0
     trained = load_draft(SpeculativeConfig(draft_model=str(out)), lm)
     assert trained.config.num_hidden_layers == 2 and trained.model.layers[1].self_attn.o_proj.weight.any()
-    resumed = [a if a != "1" else "2" for a in args] + ["--resume"]  # the grown drafter resumes like any other
+    resumed = list(args) + ["--resume"]  # the grown drafter resumes like any other
+    resumed[resumed.index("--max-steps") + 1] = "2"
     assert main(resumed) == 0 and json.loads((out / "train_report.json").read_text())["steps"] == 2
     assert main(args[:-1] + ["0"]) == 2
     assert "--draft-layers=0 is below the 1 layers of" in capsys.readouterr().err
@@ -256,7 +265,7 @@ def test_cli_rejects_bad_input(target, tmp_path, capsys, extra, message):
     assert err.startswith("blockspec: error: ") and message in err, err
 
 
-def test_cli_trains_on_several_data_directories(target, tmp_path):
+def test_cli_trains_on_several_data_directories(target, tmp_path, capsys):
     root, _ = target
     a, b = random_sequences(3, torch.Generator().manual_seed(1)), random_sequences(4, torch.Generator().manual_seed(2))
     write_shards(a, tmp_path / "a")
@@ -266,6 +275,11 @@ def test_cli_trains_on_several_data_directories(target, tmp_path):
                  "--block-size", "4", "--max-steps", "1"]) == 0
     data = json.loads((tmp_path / "o" / "train_report.json").read_text())["data"]
     assert data["sequences"] == 7 and data["tokens"] == sum(len(s.input_ids) for s in a + b)
+    # resuming on other data would continue a plan made for different sequences
+    assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "a"), "--out", str(tmp_path / "o"),
+                 "--device", "cpu", "--eval-num-prompts", "0", "--draft-layers", "1", "--block-size", "4",
+                 "--max-steps", "2", "--resume"]) == 2
+    assert "cannot resume on other data: the checkpoint trained on 7 sequences" in capsys.readouterr().err
 
 
 def test_cli_rejects_data_of_another_vocabulary(target, tmp_path, capsys):

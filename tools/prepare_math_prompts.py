@@ -6,15 +6,16 @@ reasoning-gym is needed only here, not by blockspec:
 
 The generators are word problems and exercises (arithmetic, fractions, equations, geometry, calendar and time,
 logic). gsm_symbolic is left out on purpose: its templates are built from GSM8K *test* problems, one of the shipped
-evaluation sets, so training on it would inflate `eval-draft --dataset gsm8k`. Half of the prompts carry the
-"reason step by step ... \\boxed{}" suffix of the DFlash authors' math prompts, half are the bare question (as
-MT-Bench asks)."""
+evaluation sets, so training on it would inflate `eval-draft --dataset gsm8k`. Half of the questions that set no
+answer format of their own get the "reason step by step ... \\boxed{}" suffix of the DFlash authors' math prompts;
+the rest stay bare (as MT-Bench asks)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import re
 
 GENERATORS = (
     "basic_arithmetic", "decimal_arithmetic", "complex_arithmetic", "fraction_simplification", "gcd", "lcm",
@@ -24,6 +25,7 @@ GENERATORS = (
     "family_relationships", "syllogism", "knights_knaves", "propositional_logic",
 )
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+OWN_FORMAT = re.compile(r"answer|respond|give only|write out|round|format|in the form|only with", re.I)
 
 
 def main() -> None:
@@ -42,7 +44,8 @@ def main() -> None:
     for i, name in enumerate(GENERATORS):
         ds = reasoning_gym.create_dataset(name, size=per, seed=a.seed * 1000 + i)
         prompts += [ds[j]["question"].strip() for j in range(per)]
-    prompts = [q + SUFFIX if rng.random() < 0.5 else q for q in dict.fromkeys(prompts) if q]
+    prompts = [q + SUFFIX if not OWN_FORMAT.search(q) and rng.random() < 0.5 else q
+               for q in dict.fromkeys(prompts) if q]
     rng.shuffle(prompts)
     with open(a.out, "w") as f:
         for q in prompts[: a.num]:

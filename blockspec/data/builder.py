@@ -82,7 +82,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     key = hashlib.sha256(json.dumps([str(lm.source.name), lm.config.num_hidden_layers, lm.config.hidden_size, kept,
                                      max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
     reasons: Counter[str] = Counter()
-    seconds = 0.0  # summed over chunks, so a run that resumes reports the whole generation time
+    seconds, untimed = 0.0, 0  # summed over chunks, so a run that resumes reports the whole generation time
     for c, start in enumerate(range(0, len(kept), chunk)):
         part = parts / f"part-{c:05d}"
         if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
@@ -102,6 +102,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         meta_c = read_manifest(part).meta
         reasons.update(meta_c["finish_reasons"])
         seconds += meta_c.get("seconds", 0.0)
+        untimed += "seconds" not in meta_c  # written by a version that did not time its chunks
     done = [s for c in range(-(-len(kept) // chunk)) for s in read_shards(parts / f"part-{c:05d}")]
 
     info = {
@@ -111,7 +112,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         "excluded_eval_sets": list(EVAL_SETS) if exclude_eval else [], "num_duplicates": filtered.num_duplicates,
         "num_skipped_length": len(encoded) - len(kept),  # empty, or templated longer than max_prompt_tokens
         "finish_reasons": dict(reasons),
-        "generation_time_s": round(seconds, 2), **(meta or {}),
+        "generation_time_s": round(seconds, 2), "untimed_chunks": untimed, **(meta or {}),
     }
     manifest = write_shards(done, out_dir, info)
     shutil.rmtree(parts)

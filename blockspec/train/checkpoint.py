@@ -32,17 +32,21 @@ class Progress:
 
 
 def save_checkpoint(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    progress: Progress, cfg: TrainConfig, draft_config: dict[str, Any]) -> Path:
+                    progress: Progress, cfg: TrainConfig, draft_config: dict[str, Any],
+                    data_key: dict[str, int]) -> Path:
     path = out_dir / NAME
     tmp = out_dir / (NAME + ".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "progress": asdict(progress), "train_config": cfg.to_dict(), "draft_config": draft_config}, tmp)
+                "progress": asdict(progress), "train_config": cfg.to_dict(), "draft_config": draft_config,
+                "data": data_key}, tmp)
     os.replace(tmp, path)  # a crash while writing never leaves a half checkpoint behind
     return path
 
 
-def load_checkpoint(out_dir: Path, cfg: TrainConfig, draft_config: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The saved states, after checking that they belong to this run (same drafter, same trajectory settings)."""
+def load_checkpoint(out_dir: Path, cfg: TrainConfig, draft_config: dict[str, Any], data_key: dict[str, int],
+                    device: torch.device) -> dict[str, Any]:
+    """The saved states, after checking that they belong to this run (same drafter, same trajectory settings, same
+    training sequences by count; data_key {"sequences", "tokens"})."""
     path = out_dir / NAME
     if not path.is_file():
         raise BlockspecError(f"--resume: {path} does not exist (nothing to resume in {out_dir})")
@@ -58,5 +62,11 @@ def load_checkpoint(out_dir: Path, cfg: TrainConfig, draft_config: dict[str, Any
                if k in TRAJECTORY_FIELDS and saved.get(k) != v]
     if changed:
         raise BlockspecError(f"{path}: cannot resume with changed settings: {', '.join(changed)}")
+    saved_data = ckpt.get("data")  # absent in checkpoints written before it was recorded
+    if saved_data is not None and saved_data != data_key:
+        raise BlockspecError(f"{path}: cannot resume on other data: the checkpoint trained on "
+                             f"{saved_data['sequences']} sequences / {saved_data['tokens']} tokens, this run has "
+                             f"{data_key['sequences']} / {data_key['tokens']} (pass the same --data directories in "
+                             f"the same order)")
     ckpt["progress"] = Progress(**ckpt["progress"])
     return ckpt

@@ -60,9 +60,10 @@ def save_draft(model: DFlashDraftModel, config: dict[str, Any], out_dir: str | P
     return out
 
 
-def random_draft(config: dict[str, Any], seed: int = 0) -> DFlashDraftModel:
-    """A randomly initialized fp32 drafter for a draft_config_dict: weight matrices N(0, 0.02), norms at 1."""
-    dcfg = DFlashConfig.from_hf(config, "init_draft")
+def random_draft(config: dict[str, Any], seed: int = 0, source: str = "init_draft") -> DFlashDraftModel:
+    """A randomly initialized fp32 drafter for a draft_config_dict: weight matrices N(0, 0.02), norms at 1.
+    source names the config in errors."""
+    dcfg = DFlashConfig.from_hf(config, source)
     torch.manual_seed(seed)
     model = DFlashDraftModel(dcfg, num_taps=len(dcfg.target_layer_ids or []))
     with torch.no_grad():

@@ -58,12 +58,12 @@ def draft_from(lm: LoadedModel, path: str, device: torch.device, num_layers: int
         if num_layers < have:
             raise BlockspecError(f"--draft-layers={num_layers} is below the {have} layers of {path}: a drafter can "
                                  f"grow on --init, not shrink")
-        model, config = grow_layers(model, config, num_layers, seed)
+        model, config = grow_layers(model, config, num_layers, seed, f"--init {path}")
     model = model.to(device).train().requires_grad_(True)
     return DraftSetup(model, config, loaded.spec.target_layer_ids, loaded.spec.mask_token_id)
 
 
-def grow_layers(model: DFlashDraftModel, config: dict[str, Any], num_layers: int, seed: int
+def grow_layers(model: DFlashDraftModel, config: dict[str, Any], num_layers: int, seed: int, source: str
                 ) -> tuple[DFlashDraftModel, dict[str, Any]]:
     """The drafter with layers appended up to num_layers. A new layer's two residual branches end in zero matrices
     (o_proj, down_proj), so the grown drafter drafts exactly as before and training starts from its acceptance
@@ -72,9 +72,14 @@ def grow_layers(model: DFlashDraftModel, config: dict[str, Any], num_layers: int
     config = dict(config, num_hidden_layers=num_layers,
                   layer_types=(list(config.get("layer_types") or ["full_attention"] * have)
                                + ["full_attention"] * (num_layers - have)))
-    grown = random_draft(config, seed)
+    if "num_hidden_layers" in (config.get("dflash_config") or {}):  # there it wins over the top level
+        config["dflash_config"] = dict(config["dflash_config"], num_hidden_layers=num_layers)
+    grown = random_draft(config, seed, source)
     missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing)
+    stray = [k for k in missing if not (k.startswith("layers.") and int(k.split(".")[1]) >= have)]
+    if unexpected or stray:
+        raise BlockspecError(f"{source}: cannot grow this drafter: its tensors do not map onto the grown one "
+                             f"(unexpected {unexpected}, missing {stray})")
     with torch.no_grad():
         for layer in grown.layers[have:]:
             layer.self_attn.o_proj.weight.zero_()

@@ -75,11 +75,12 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     cap = capacity(data, cfg, B, pad=attention == "flex")  # before the split: held-out sequences must fit too
     data, val = split_validation(data, cfg.val_fraction, cfg.seed)
     plans = plan_epochs(data, cap, cfg)
+    data_key = {"sequences": len(data.seqs), "tokens": data.num_tokens}
     total_steps = sum(math.ceil(len(p) / cfg.grad_accum) for p in plans)
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     progress = Progress()
     if resume:
-        ckpt = load_checkpoint(out, cfg, setup.config, device)
+        ckpt = load_checkpoint(out, cfg, setup.config, data_key, device)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -168,13 +169,13 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         if progress.step % cfg.save_every == 0 or done:
             # the exported drafter follows every checkpoint, so a run killed by a time limit leaves a usable one
             save_draft(model, setup.config, out)
-            save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config)
+            save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
     bar.close()
     log.close()
     if not progress.evals or progress.evals[-1]["step"] != progress.step:
         evaluate()
     save_draft(model, setup.config, out)
-    save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config)
+    save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
     report = _report(progress, cfg, data, val, cap, total_steps, attention, device)
     (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return report
