@@ -70,6 +70,7 @@ def test_eval_draft_json_matches_reference_loop(pair_dirs, tmp_path, capsys):
     report = json.loads(out.strip().splitlines()[-1])
     assert KEYS <= set(report)
     assert report["dataset"] == "mtbench" and report["num_prompts"] == LIMIT and report["outputs_identical"] is True
+    assert report["differing_outputs"] == []
     assert json.loads((tmp_path / "mtbench-report.json").read_text()) == report
 
     # the same prompts through the reference loops, one request at a time
@@ -113,6 +114,16 @@ def test_eval_draft_table(pair_dirs, tmp_path, capsys):
     assert any(line.startswith("speedup: ") for line in lines)
     assert lines[-1] == f"acceptance plot: {tmp_path}/gsm8k-acceptance.png   report: {tmp_path}/gsm8k-report.json"
     assert (tmp_path / "gsm8k-acceptance.png").is_file()
+
+
+def test_divergences_name_each_differing_prompt():
+    from blockspec.evaluation.cli import _differing
+    from blockspec.evaluation.eval_draft import divergences
+
+    spec, plain = [[1, 2, 3], [4, 5, 6], [7, 8], [9]], [[1, 2, 3], [4, 0, 6], [7, 8, 2], [9]]
+    rows = divergences(spec, plain)
+    assert rows == [{"prompt": 1, "first_divergence": 1}, {"prompt": 2, "first_divergence": 2}]
+    assert _differing(rows) == " (2 prompts differ, first at tokens 1, 2)" and _differing([]) == ""
 
 
 def test_eval_draft_errors(pair_dirs, tmp_path, capsys, monkeypatch):

@@ -29,6 +29,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (the last stdout line)")
 
 
+def _differing(rows: list[dict] | None) -> str:
+    if not rows:
+        return ""
+    firsts = ", ".join(str(d["first_divergence"]) for d in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    return f" ({len(rows)} prompts differ, first at tokens {firsts})"
+
+
 def _table(r: dict) -> str:
     tau = r["mean_acceptance_length"]
     per_pos = "  ".join(f"{i}:{a:.2f}" for i, a in enumerate(r["per_position_acceptance"], 1))
@@ -43,7 +50,7 @@ def _table(r: dict) -> str:
         f"tau (mean acceptance length): {tau:.2f} over {r['num_verify_steps']} verify steps" if tau is not None
         else "tau: no verify steps",
         f"per-position acceptance: {per_pos}",
-        f"outputs identical to no-spec: {r['outputs_identical']}",
+        f"outputs identical to no-spec: {r['outputs_identical']}" + _differing(r.get("differing_outputs")),
         f"acceptance plot: {r['png']}   report: {r['report']}",
     ])
 

@@ -33,6 +33,19 @@ class DraftEvalReport:
     baseline_tokens_per_second: float
     speedup: float  # tokens_per_second / baseline_tokens_per_second
     outputs_identical: bool | None  # spec output == plain output for every prompt (None when sampling)
+    # greedy only: {"prompt": i, "first_divergence": token index} of each prompt whose outputs differ (in bf16 a
+    # near-tie token can flip between verify rows and decode rows; in fp32 this list is empty)
+    differing_outputs: list[dict[str, int]] | None = None
+
+
+def divergences(spec: list[list[int]], plain: list[list[int]]) -> list[dict[str, int]]:
+    """Where each differing pair of outputs first parts (an index past the shorter one when one is a prefix)."""
+    out = []
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        if a != b:
+            t = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append({"prompt": i, "first_divergence": t})
+    return out
 
 
 def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
@@ -64,6 +77,7 @@ def evaluate_draft(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]]
         hist[n - 1] += 1
     n_spec, n_plain = sum(len(o.token_ids) for o in spec), sum(len(o.token_ids) for o in plain)
     tps, base_tps = n_spec / spec_s, n_plain / plain_s
+    differ = divergences([o.token_ids for o in spec], [o.token_ids for o in plain]) if params.greedy else None
     return DraftEvalReport(
         dataset=dataset, num_prompts=len(prompts), num_draft_tokens=k,
         mean_acceptance_length=stats.mean_acceptance_length, per_position_acceptance=stats.per_position_acceptance(),
@@ -71,5 +85,5 @@ def evaluate_draft(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]]
         generated_tokens=n_spec, time_s=spec_s, tokens_per_second=tps,
         baseline_generated_tokens=n_plain, baseline_time_s=plain_s, baseline_tokens_per_second=base_tps,
         speedup=tps / base_tps,
-        outputs_identical=[o.token_ids for o in spec] == [o.token_ids for o in plain] if params.greedy else None,
+        outputs_identical=not differ if differ is not None else None, differing_outputs=differ,
     )
