@@ -41,6 +41,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
     p.add_argument("--probabilistic-drafting", action="store_true",
                    help="sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)")
+    p.add_argument("--full-block-drafting", action="store_true",
+                   help="draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 "
+                        "is below the block size and drafting is cheap next to verifying)")
     p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
     from blockspec.distributed.cli import add_tp_arg
 
@@ -67,9 +70,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from blockspec.loading.draft_loader import load_draft
 
         draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
-                                             probabilistic_drafting=args.probabilistic_drafting), lm)
-    elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace:
-        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting and --trace need --draft")
+                                             probabilistic_drafting=args.probabilistic_drafting,
+                                             full_block_drafting=args.full_block_drafting), lm)
+    elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace or args.full_block_drafting:
+        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting, --full-block-drafting and --trace need "
+                             "--draft")
     tok = lm.tokenizer
     if args.prompts_file is not None:
         from blockspec.batch_cli import run_prompts_file

@@ -17,6 +17,9 @@ class SpeculativeConfig:
     mask_token_id: int | None = None  # None -> the draft's dflash_config, then top level
     target_layer_ids: list[int] | None = None  # None -> the draft's dflash_config, then top level
     probabilistic_drafting: bool = False  # sample drafts from q and use p/q rejection (default: argmax, one-hot q)
+    # draft every block with the drafter's trained block size and verify the first K drafts: with K + 1 below the
+    # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step
+    full_block_drafting: bool = False
 
     def __post_init__(self) -> None:
         if self.method != "dflash":
@@ -40,6 +43,11 @@ class ResolvedSpec:
     target_layer_ids: list[int]
     block_size: int
     probabilistic_drafting: bool
+    full_block_drafting: bool = False
+
+    def draft_rows(self, k: int) -> int:
+        """Rows of a draft block that proposes k drafts: [bonus, MASK x (rows - 1)]."""
+        return self.block_size if self.full_block_drafting else k + 1
 
 
 def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConfig, source: str) -> ResolvedSpec:
@@ -80,7 +88,7 @@ def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConf
             f"num_draft_tokens={k} is out of range for this draft: block_size={draft.block_size} allows 1.."
             f"{draft.block_size - 1}"
         )
-    return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting)
+    return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting, spec.full_block_drafting)
 
 
 @dataclass

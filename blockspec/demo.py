@@ -23,7 +23,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None):
+def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None, full_block: bool):
     from blockspec.loading.bundled_draft import bundled_draft_path
     from blockspec.loading.draft_loader import load_draft
 
@@ -32,7 +32,8 @@ def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None):
     except ModelLoadError as e:
         print(f"note: {e}\nrunning plain decoding only", file=sys.stderr)
         return None
-    return load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=num_draft_tokens), lm)
+    return load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=num_draft_tokens,
+                                        full_block_drafting=full_block), lm)
 
 
 def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tuple[list[int], list[int], float]:
@@ -56,10 +57,13 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     t0 = time.perf_counter()
     lm = load_model(model, device=device)
     assert lm.tokenizer is not None
-    if num_draft_tokens is None and next(lm.model.parameters()).device.type == "cpu":
+    on_cpu = next(lm.model.parameters()).device.type == "cpu"
+    if num_draft_tokens is None and on_cpu:
         # a CPU spec step at K = 2 costs 1.35x a plain one, at K = 3 1.84x (docs/perf.md): short blocks pay there
         num_draft_tokens = CPU_DRAFT_TOKENS
-    draft = _load_bundled_draft(lm, num_draft_tokens) if model is None else None
+    # the drafter still drafts its trained block (16 rows through a few small layers, cheap next to verifying):
+    # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
+    draft = _load_bundled_draft(lm, num_draft_tokens, full_block=on_cpu) if model is None else None
     print(f"loaded {lm.source.name}{' + the bundled DFlash drafter' if draft else ''} in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     plain = LLM.from_loaded(lm, None, max_num_seqs=1)

@@ -114,6 +114,24 @@ def test_cuda_fp32_engine_equals_cpu_engine():
     assert max(max(a) for _, a in cpu if a) > 3  # real acceptance, not a drafter that never hits
 
 
+def test_cuda_full_block_drafting_graph_equals_eager_and_cpu():
+    # K = 2 drafts taken from a block of the trained size: captured, eager and CPU runs agree in fp32
+    import dataclasses
+
+    from trained_pair import trained_pair
+
+    def full(d):
+        return dataclasses.replace(d, spec=dataclasses.replace(d.spec, num_draft_tokens=2, full_block_drafting=True))
+
+    pair = trained_pair()
+    cpu, _ = _run(pair.lm, full(pair.draft))
+    lm, draft = _on_cuda(pair, torch.float32)
+    graph, dec = _run(lm, full(draft))
+    assert dec.capture and dec.graphs
+    eager, _ = _run(lm, full(draft), enforce_eager=True)
+    assert graph == eager == cpu
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_draft_prologue_matches_unfused(dtype):
     """fuse_qkv: the drafter's block projection (one GEMM + Triton split/norm/rotary) and its context K/V give the

@@ -107,3 +107,28 @@ def test_max_tokens_cuts_an_accepted_run(trained):
     assert out.finish_reason == "length"
     assert len(out.steps) == si + 1
     assert out.acceptance_lengths[-1] == 2 < out.steps[-1]["num_accepted"] + 1
+
+
+def test_full_block_drafting_is_lossless_and_engine_equals_reference(trained):
+    # K = 2 drafted from a block of the trained size (only its first 2 drafts verified): the reference and the
+    # batched engine (decode step + propose) agree token for token and step for step, outputs stay greedy, and the
+    # drafts are those of the full block, not of a 3-row block
+    from dataclasses import replace
+
+    from blockspec.llm import LLM
+
+    lm, draft, _ = trained
+    full = replace(draft, spec=replace(draft.spec, num_draft_tokens=2, full_block_drafting=True))
+    short = with_k(draft, 2)
+    assert full.spec.draft_rows(2) == draft.spec.block_size > short.spec.draft_rows(2) == 3
+    prompts = PROMPTS + [OFF_PROMPT]
+    engine = LLM.from_loaded(lm, full, max_num_seqs=4).generate(prompts, greedy(40), use_tqdm=False)
+    differ = False
+    for prompt, eng in zip(prompts, engine):
+        ref = generate(lm, prompt, greedy(40)).token_ids
+        out = spec_generate(lm, full, prompt, greedy(40))
+        assert out.token_ids == eng.token_ids == ref
+        assert out.acceptance_lengths == eng.acceptance_lengths and max(out.acceptance_lengths) <= 3
+        other = spec_generate(lm, short, prompt, greedy(40))
+        differ |= [s["draft"] for s in out.steps] != [s["draft"] for s in other.steps]
+    assert differ

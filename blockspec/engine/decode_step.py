@@ -164,13 +164,16 @@ class DecodeStep:
         r._append_context(out.taps, batch.positions, ctx_slots)
         if K == 0:
             return torch.cat([tokens, n[:, None]], dim=1)
-        # the next block: [new bonus, MASK x K] at positions start + n + 1 ..., over the context committed so far
+        # the next block: [new bonus, MASK x] at positions start + n + 1 ..., over the context committed so far;
+        # R = K + 1 rows, or the trained block size with full_block_drafting (its first K drafts are used)
+        R = draft.spec.draft_rows(K)
         bonus = tokens.gather(1, n[:, None])
         start = buf.start + n + 1
-        ids = torch.cat([bonus, torch.full_like(tokens[:, 1:], draft.spec.mask_token_id)], dim=1)
-        dpos = (start[:, None] + offs).flatten()
-        dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), buf.query_start, start.int(), buf.block_tables, K1, None)
+        ids = torch.cat([bonus, torch.full((B, R - 1), draft.spec.mask_token_id, device=bonus.device)], dim=1)
+        dpos = (start[:, None] + (offs if R == K1 else torch.arange(R, device=start.device))).flatten()
+        dqs = buf.query_start if R == K1 else torch.arange(B + 1, dtype=torch.int32, device=start.device) * R
+        dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), dqs, start.int(), buf.block_tables, R, None)
         hidden = draft.model(lm.embed_tokens(ids.flatten()), dpos, r.backend.draft(pool, dbatch))
-        hidden = hidden.view(B, K1, -1)[:, 1:].reshape(B * K, -1)
+        hidden = hidden.view(B, R, -1)[:, 1:K1].reshape(B * K, -1)
         drafts = draft.model.greedy_drafts(hidden, lm.lm_head).view(B, K)
         return torch.cat([tokens, n[:, None], drafts], dim=1)

@@ -184,18 +184,18 @@ class ModelRunner:
         positions: list[int] = []
         qs, kv_lens = [0], []
         for seq, K in zip(seqs, ks):
-            nc = seq.num_computed
-            ids += [seq.bonus] + [spec.mask_token_id] * K
-            positions += range(nc, nc + K + 1)
-            qs.append(qs[-1] + K + 1)
+            nc, rows = seq.num_computed, spec.draft_rows(K)
+            ids += [seq.bonus] + [spec.mask_token_id] * (rows - 1)
+            positions += range(nc, nc + rows)
+            qs.append(qs[-1] + rows)
             kv_lens.append(nc)
         width = max(len(s.block_table) for s in seqs)
         batch = PagedBatch(self._tensor(positions), self._tensor([-1] * len(ids)), self._tensor(qs, torch.int32),
                            self._tensor(kv_lens, torch.int32), block_tables(seqs, width, self.device),
-                           max(ks) + 1, max(kv_lens))
+                           max(spec.draft_rows(K) for K in ks), max(kv_lens))
         hidden = self.draft.model(self.lm.model.embed_tokens(self._tensor(ids)), batch.positions,
                                   self.backend.draft(self.pool, batch))
-        draft_rows = self._tensor([r for i in range(len(seqs)) for r in range(qs[i] + 1, qs[i + 1])])
+        draft_rows = self._tensor([r for i, K in enumerate(ks) for r in range(qs[i] + 1, qs[i] + 1 + K)])
         logits = self.draft.model.compute_logits(hidden[draft_rows], self.lm.model.lm_head)
         chosen, off = logits.argmax(-1), 0  # argmax drafts for every block at once
         for i, (seq, K) in enumerate(zip(seqs, ks)):
@@ -203,7 +203,8 @@ class ModelRunner:
             if spec.probabilistic_drafting and not seq.params.greedy:  # sampled drafts: per request
                 rows = SamplingRows.build([seq.params] * K, [seq.seed] * K, self.device, self.vocab_size)
                 q = processed_probs_rows(logits[off:off + K], rows)
-                noise = rng.exponential(rows.seeds, batch.positions[qs[i] + 1:qs[i + 1]], rng.STREAM_DRAFT, q.shape[-1])
+                noise = rng.exponential(rows.seeds, batch.positions[qs[i] + 1:qs[i] + 1 + K], rng.STREAM_DRAFT,
+                                        q.shape[-1])
                 chosen[off:off + K] = race(q, noise)
                 seq.draft_probs = q
             off += K

@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="DFlash draft checkpoint (directory or hub id): speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
     p.add_argument("--probabilistic-drafting", action="store_true", help="sample drafts and use p/q rejection")
+    p.add_argument("--full-block-drafting", action="store_true",
+                   help="draft with the drafter's trained block size, verify the first K drafts")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     for name, (kind, help_text) in _ENGINE_FLAGS.items():
@@ -49,9 +51,9 @@ def build_llm(args: argparse.Namespace):
     spec = None
     if args.draft is not None:
         spec = {"draft_model": args.draft, "num_draft_tokens": args.num_draft_tokens,
-                "probabilistic_drafting": args.probabilistic_drafting}
-    elif args.num_draft_tokens is not None or args.probabilistic_drafting:
-        raise BlockspecError("--num-draft-tokens and --probabilistic-drafting need --draft")
+                "probabilistic_drafting": args.probabilistic_drafting, "full_block_drafting": args.full_block_drafting}
+    elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.full_block_drafting:
+        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting and --full-block-drafting need --draft")
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False

@@ -56,12 +56,14 @@ class DFlashSession:
     def _propose(self, bonus: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft K tokens after `bonus` at position `start`: (drafts [K], q [K, V] when probabilistic)."""
         spec = self.draft.spec
-        ids = torch.full((self.K + 1,), spec.mask_token_id, device=self.device)
+        rows = spec.draft_rows(self.K)
+        ids = torch.full((rows,), spec.mask_token_id, device=self.device)
         ids[0] = bonus
-        positions = torch.arange(start, start + self.K + 1, device=self.device)
+        positions = torch.arange(start, start + rows, device=self.device)
         embeds = self.lm.model.embed_tokens(ids)
         hidden = self.draft.model(embeds, positions, DenseDraftAttention(self.ctx, start, positions))
-        logits = self.draft.model.compute_logits(hidden[1:], self.lm.model.lm_head)
+        logits = self.draft.model.compute_logits(hidden[1:self.K + 1], self.lm.model.lm_head)
+        positions = positions[:self.K + 1]
         self.stats.num_draft_passes += 1
         p = self.params
         if spec.probabilistic_drafting and not p.greedy:
