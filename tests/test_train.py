@@ -147,24 +147,30 @@ def test_export_round_trips_through_the_inference_loader(target, tmp_path):
     for name, p in loaded.model.state_dict().items():
         assert torch.equal(p, exported[name]), name
     ids = torch.tensor([5, 9, MASK, MASK])
-    pos = torch.arange(10, 14)
     ctx_taps = torch.randn(10, 128)
-    logits = []
-    for m in (loaded.model, inference_draft(lm, model.to(torch.bfloat16).float()).model):
-        from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
-
-        cache = DenseKVCache.allocate(2, 10, m.config.num_key_value_heads, m.config.head_dim, torch.float32, CPU)
-        with torch.no_grad():
-            for layer, (k, v) in enumerate(m.context_kv(ctx_taps, torch.arange(10))):
-                cache.k[layer], cache.v[layer] = k, v
-            logits.append(m.compute_logits(m(lm.model.embed_tokens(ids), pos, DenseDraftAttention(cache, 10, pos)),
-                                           lm.model.lm_head))
+    logits = [_block_logits(lm, m, ids, ctx_taps)
+              for m in (loaded.model, inference_draft(lm, model.to(torch.bfloat16).float()).model)]
     assert torch.equal(logits[0], logits[1])
     # and --init continues from it with exactly those weights, as fp32 master weights
     again = draft_from(lm, str(tmp_path), CPU)
     assert all(p.dtype == torch.float32 and p.requires_grad for p in again.model.parameters())
     assert all(torch.equal(p, exported[n]) for n, p in again.model.state_dict().items())
     assert again.config == json.loads((tmp_path / "config.json").read_text())
+
+
+def _block_logits(lm, m, ids: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """Draft logits of the block `ids` placed right after a context of len(taps) positions with these taps."""
+    from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
+
+    n = len(taps)
+    pos = torch.arange(n, n + len(ids))
+    cache = DenseKVCache.allocate(m.config.num_hidden_layers, n, m.config.num_key_value_heads, m.config.head_dim,
+                                  torch.float32, CPU)
+    with torch.no_grad():
+        for layer, (k, v) in enumerate(m.context_kv(taps, torch.arange(n))):
+            cache.k[layer], cache.v[layer] = k, v
+        return m.compute_logits(m(lm.model.embed_tokens(ids), pos, DenseDraftAttention(cache, n, pos)),
+                                lm.model.lm_head)
 
 
 def _cli_data(tmp_path, n=10):
@@ -205,20 +211,8 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
     for layer in grown.model.layers[1:]:
         assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
         assert layer.self_attn.q_proj.weight.abs().sum() > 0
-    ids, pos = torch.tensor([5, MASK, MASK, MASK]), torch.arange(6, 10)
-    taps = torch.randn(6, setup.model.fc.in_features)
-    logits = []
-    for m in (setup.model, grown.model):
-        from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
-
-        cache = DenseKVCache.allocate(m.config.num_hidden_layers, 6, m.config.num_key_value_heads, m.config.head_dim,
-                                      torch.float32, CPU)
-        with torch.no_grad():
-            for layer, (k, v) in enumerate(m.context_kv(taps, torch.arange(6))):
-                cache.k[layer], cache.v[layer] = k, v
-            logits.append(m.compute_logits(m(lm.model.embed_tokens(ids), pos, DenseDraftAttention(cache, 6, pos)),
-                                           lm.model.lm_head))
-    assert torch.equal(logits[0], logits[1])
+    ids, taps = torch.tensor([5, MASK, MASK, MASK]), torch.randn(6, setup.model.fc.in_features)
+    assert torch.equal(_block_logits(lm, setup.model, ids, taps), _block_logits(lm, grown.model, ids, taps))
     nested = tmp_path / "nested"  # a config that also keeps the layer count inside dflash_config, where it wins
     nested.mkdir()
     cfg = json.loads((small / "config.json").read_text())

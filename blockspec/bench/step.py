@@ -82,7 +82,7 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tup
     per = -(-(ctx + 2 * K + 2) // 16)
     engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
     dec = engine.runner.decode
-    buf = DecodeBuffers.allocate(B, K, dec.width, torch.device("cuda"))
+    buf = DecodeBuffers.allocate(B, K, dec.draft_rows(K), dec.width, torch.device("cuda"))
     buf.input_ids.random_(0, lm.config.vocab_size)
     buf.start.fill_(ctx)
     buf.valid.fill_(True)

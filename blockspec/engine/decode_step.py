@@ -43,13 +43,14 @@ class DecodeBuffers:
     top_p: torch.Tensor  # [B] fp32
     seeds: torch.Tensor  # [B] int64
     query_start: torch.Tensor  # [B+1] int32: row offsets, (K+1) apart
+    draft_query_start: torch.Tensor  # [B+1] int32: row offsets of the next draft blocks, draft_rows(K) apart
 
     @classmethod
-    def allocate(cls, B: int, K: int, width: int, device: torch.device) -> "DecodeBuffers":
+    def allocate(cls, B: int, K: int, draft_rows: int, width: int, device: torch.device) -> "DecodeBuffers":
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        offsets = torch.arange(B + 1, dtype=torch.int32, device=device)
         return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), z(B, dtype=torch.float32), z(B),
-                   torch.ones(B, dtype=torch.float32, device=device), z(B),
-                   torch.arange(B + 1, dtype=torch.int32, device=device) * (K + 1))
+                   torch.ones(B, dtype=torch.float32, device=device), z(B), offsets * (K + 1), offsets * draft_rows)
 
 
 class DecodeStep:
@@ -64,6 +65,11 @@ class DecodeStep:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
         self.forced_tau: float | None = None  # benchmark only (EngineConfig.bench_forced_tau)
+
+    def draft_rows(self, K: int) -> int:
+        """Rows of the draft block this step proposes with K drafts (K + 1 without a drafter or drafts)."""
+        draft = self.runner.draft
+        return draft.spec.draft_rows(K) if draft is not None and K > 0 else K + 1
 
     def eligible(self, scheduled: list) -> int | None:
         """K when every scheduled request decodes with K argmax drafts (or none) and the batch fits a bucket."""
@@ -83,7 +89,8 @@ class DecodeStep:
         B = next(b for b in self.buckets if b >= len(seqs))
         buf = self.buffers.get((B, K))
         if buf is None:
-            buf = self.buffers[(B, K)] = DecodeBuffers.allocate(B, K, self.width, self.runner.device)
+            buf = self.buffers[(B, K)] = DecodeBuffers.allocate(B, K, self.draft_rows(K), self.width,
+                                                                self.runner.device)
         rows = self._fill(buf, seqs, K)
         if self.capture:
             packed = self._replay(buf, rows, K)
@@ -144,8 +151,9 @@ class DecodeStep:
         lm, draft, pool = r.lm.model, r.draft, r.pool
         B, K1 = buf.input_ids.shape
         K, page = K1 - 1, pool.block_size
-        offs = torch.arange(K1, device=buf.start.device)
-        pos = buf.start[:, None] + offs  # [B, K+1]
+        R = self.draft_rows(K)
+        offs = torch.arange(max(K1, R), device=buf.start.device)
+        pos = buf.start[:, None] + offs[:K1]  # [B, K+1]
         slots = buf.block_tables.gather(1, pos // page) * page + pos % page
         slots = torch.where(buf.valid[:, None], slots, -1)
         batch = PagedBatch(pos.flatten(), slots.flatten(), buf.query_start, (buf.start + K1).int(), buf.block_tables,
@@ -160,19 +168,18 @@ class DecodeStep:
             tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
         if draft is None:
             return torch.cat([tokens, n[:, None]], dim=1)
-        ctx_slots = torch.where(offs[None, :] <= n[:, None], slots, -1).flatten()
+        ctx_slots = torch.where(offs[None, :K1] <= n[:, None], slots, -1).flatten()
         r._append_context(out.taps, batch.positions, ctx_slots)
         if K == 0:
             return torch.cat([tokens, n[:, None]], dim=1)
         # the next block: [new bonus, MASK x (R-1)] at positions start + n + 1 ..., over the context committed so far;
         # R = K + 1 rows, or the trained block size with full_block_drafting (its first K drafts are used)
-        R = draft.spec.draft_rows(K)
         bonus = tokens.gather(1, n[:, None])
         start = buf.start + n + 1
         ids = torch.cat([bonus, torch.full((B, R - 1), draft.spec.mask_token_id, device=bonus.device)], dim=1)
-        dpos = (start[:, None] + (offs if R == K1 else torch.arange(R, device=start.device))).flatten()
-        dqs = buf.query_start if R == K1 else torch.arange(B + 1, dtype=torch.int32, device=start.device) * R
-        dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), dqs, start.int(), buf.block_tables, R, None)
+        dpos = (start[:, None] + offs[:R]).flatten()
+        dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), buf.draft_query_start, start.int(), buf.block_tables, R,
+                            None)
         hidden = draft.model(lm.embed_tokens(ids.flatten()), dpos, r.backend.draft(pool, dbatch))
         hidden = hidden.view(B, R, -1)[:, 1:K1].reshape(B * K, -1)
         drafts = draft.model.greedy_drafts(hidden, lm.lm_head).view(B, K)

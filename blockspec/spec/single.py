@@ -63,12 +63,11 @@ class DFlashSession:
         embeds = self.lm.model.embed_tokens(ids)
         hidden = self.draft.model(embeds, positions, DenseDraftAttention(self.ctx, start, positions))
         logits = self.draft.model.compute_logits(hidden[1:self.K + 1], self.lm.model.lm_head)
-        positions = positions[:self.K + 1]
         self.stats.num_draft_passes += 1
         p = self.params
         if spec.probabilistic_drafting and not p.greedy:
             q = processed_probs(logits, p.temperature, p.top_k, p.top_p)
-            noise = rng.exponential(self._seeds(self.K), positions[1:], rng.STREAM_DRAFT, q.shape[-1])
+            noise = rng.exponential(self._seeds(self.K), positions[1:self.K + 1], rng.STREAM_DRAFT, q.shape[-1])
             return race(q, noise), q
         return logits.argmax(dim=-1), None
 
