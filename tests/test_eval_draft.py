@@ -137,3 +137,33 @@ def test_eval_draft_errors(pair_dirs, tmp_path, capsys, monkeypatch):
     assert err == (f"blockspec: error: the bundled SmolLM2-135M-Instruct DFlash drafter is not available: "
                    f"{tmp_path}/absent lacks config.json and model.safetensors. Pass a drafter with --draft DIR "
                    f"(e.g. one trained with `blockspec train-draft`)\n")
+
+
+def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, capsys):
+    target, draft_dir = pair_dirs
+    rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "mtbench",
+                              "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS), "--num-draft-tokens", "2",
+                              "--full-block-drafting", "--out-dir", str(tmp_path), "--json")
+    assert rc == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["full_block_drafting"] is True and report["outputs_identical"] is True
+    lm = load_model(str(target), device="cpu")
+    draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=2, full_block_drafting=True), lm)
+    short = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=2), lm)
+    lens, short_lens = [], []
+    for text in load_eval_prompts("mtbench", LIMIT):
+        ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        lens += spec_generate(lm, draft, ids, SamplingParams(max_tokens=MAX_TOKENS)).acceptance_lengths
+        short_lens += spec_generate(lm, short, ids, SamplingParams(max_tokens=MAX_TOKENS)).acceptance_lengths
+    assert lens != short_lens  # the flag changes acceptance here, so ignoring it would fail the checks below
+    assert report["num_verify_steps"] == len(lens)
+    assert report["mean_acceptance_length"] == pytest.approx(sum(lens) / len(lens))
+    table = _table_header(report)
+    assert table == (f"eval-draft mtbench: {LIMIT} prompts, max {MAX_TOKENS} new tokens, temperature 0.0, K=2 "
+                     "(full-block drafting), batch 1")
+
+
+def _table_header(report: dict) -> str:
+    from blockspec.evaluation.cli import _table
+
+    return _table(report).splitlines()[0]
