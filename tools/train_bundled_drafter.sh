@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # How the bundled SmolLM2-135M-Instruct DFlash drafter is made, on one H200, from the repository root.
-#   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS=prompts.jsonl OUT=results/ tools/train_bundled_drafter.sh
-# PROMPTS comes from tools/prepare_prompts.py. Every stage resumes: run the script again after a time limit and it
-# continues (data chunks already generated are kept; training resumes from WORK/run/checkpoint.pt).
+#   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS="chat_code.jsonl math.jsonl" OUT=results/ \
+#     tools/train_bundled_drafter.sh
+# PROMPTS: one or more JSONL files from tools/prepare_prompts.py, prepare_math_prompts.py, prepare_code_stubs.py; each
+# becomes its own data directory (WORK/data-<name>) and training uses them all. Every stage resumes: run the script
+# again after a time limit and it continues (data chunks already generated are kept; training resumes from
+# WORK/run/checkpoint.pt). The drafter was trained in stages, each continuing the previous one (docs/training.md):
+#   INIT=<previous drafter> [LAYERS=N to grow it] EPOCHS=E LR=...  (without INIT: a new LAYERS-layer drafter)
 set -euo pipefail
 GGUF=${GGUF:?path of the SmolLM2-135M-Instruct Q4_1 GGUF}
-PROMPTS=${PROMPTS:?JSONL of training prompts}
+PROMPTS=${PROMPTS:?JSONL files of training prompts}
 WORK=${WORK:-/tmp/bundled-drafter}
 OUT=${OUT:-$WORK/out}
 BLOCKSPEC=${BLOCKSPEC:-python3 -m blockspec.cli}
@@ -13,17 +17,24 @@ mkdir -p "$WORK" "$OUT"
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -
 
 # DRAFT=an earlier drafter of this target: the responses are generated with speculative decoding (same tokens,
-# less time). LIMIT=N uses the first N prompts only.
-if [ ! -f "$WORK/data/manifest.json" ]; then
-  $BLOCKSPEC draft-data --target "$GGUF" --prompts "$PROMPTS" --out "$WORK/data" ${LIMIT:+--limit "$LIMIT"} \
-    --max-tokens "${GEN_TOKENS:-256}" --max-batch-size 512 ${DRAFT:+--draft "$DRAFT" --num-draft-tokens 7}
-fi
-cp "$WORK/data/manifest.json" "$OUT/data_manifest.json"
+# less time). LIMIT=N uses the first N prompts of each file only.
+data=()
+for prompts in $PROMPTS; do
+  dir="$WORK/data-$(basename "$prompts" .jsonl)"
+  if [ ! -f "$dir/manifest.json" ]; then
+    $BLOCKSPEC draft-data --target "$GGUF" --prompts "$prompts" --out "$dir" ${LIMIT:+--limit "$LIMIT"} \
+      --max-tokens "${GEN_TOKENS:-256}" --max-batch-size 512 ${DRAFT:+--draft "$DRAFT" --num-draft-tokens 7}
+  fi
+  cp "$dir/manifest.json" "$OUT/manifest-$(basename "$dir").json"
+  data+=("$dir")
+done
 
+shape=(--draft-layers "${LAYERS:-3}" --block-size 16)
+[ -n "${INIT:-}" ] && shape=(--init "$INIT" ${LAYERS:+--draft-layers "$LAYERS"})
 resume=""
 [ -f "$WORK/run/checkpoint.pt" ] && resume="--resume"
-$BLOCKSPEC train-draft --target "$GGUF" --data "$WORK/data" --out "$WORK/run" --draft-layers "${LAYERS:-3}" \
-  --block-size 16 --epochs "${EPOCHS:-6}" --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
+$BLOCKSPEC train-draft --target "$GGUF" --data "${data[@]}" --out "$WORK/run" "${shape[@]}" --epochs "${EPOCHS:-6}" \
+  --lr "${LR:-6e-4}" --seed "${SEED:-0}" --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
   --eval-every 1000 --val-fraction 0.02 $resume
 cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
 
