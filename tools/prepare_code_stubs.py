@@ -26,7 +26,7 @@ MAX_CHARS = 2500
 def stubs(root: Path) -> list[str]:
     out: list[str] = []
     for f in sorted(root.rglob("*.py")):
-        if SKIP_PARTS.intersection(f.parts):
+        if SKIP_PARTS.intersection(f.relative_to(root).parts):
             continue
         try:
             source = f.read_text(encoding="utf-8")
