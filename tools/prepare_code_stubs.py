@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from blockspec.data.code_prompts import SOLVE, _units
+from blockspec.data.code_prompts import SOLVE, source_units
 from blockspec.data.exclusion import filter_prompts, normalized_hash
 from blockspec.data.prompts import read_prompts
 
@@ -32,7 +32,7 @@ def stubs(root: Path) -> list[str]:
             source = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        out += [SOLVE.format(stub) for _, stub in _units(source) if stub is not None and len(stub) <= MAX_CHARS]
+        out += [SOLVE.format(stub) for _, stub in source_units(source) if stub is not None and len(stub) <= MAX_CHARS]
     return out
 
 

@@ -25,7 +25,7 @@ COMPLETE = "Complete the implementation of this Python function:\n" + _FENCE
 SOLVE = "Write a solution to the following problem and make sure that it passes the tests:\n" + _FENCE
 
 
-def _units(source: str) -> list[tuple[str, str | None]]:
+def source_units(source: str) -> list[tuple[str, str | None]]:
     """(source of each top-level def/class within the size limits, its signature + docstring stub for functions
     that have a docstring)."""
     try:
@@ -59,7 +59,7 @@ def code_prompts(path: Path) -> PromptFile:
             source = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        for body, stub in _units(source):
+        for body, stub in source_units(source):
             units += 1
             # deterministic, evenly spread choice of the request kind; documented functions may also be stubs to
             # complete or solve
