@@ -43,7 +43,7 @@ def test_learns_the_synthetic_task_to_a_real_tau(cycles, tmp_path):
                       eval_every=40, eval_max_tokens=48)
     setup = new_draft(lm, SHAPE, seed=0, device=CPU)
     prompts = [[10, 11, 12, 13, 14], [30, 33, 36, 39]]  # cycle starts not used as training prompts
-    report = train(lm, setup, prepare(seqs, cfg, 8, "mem"), cfg, tmp_path, prompts, use_tqdm=False)
+    report = train(lm, setup, prepare(seqs, cfg, "mem"), cfg, tmp_path, prompts, use_tqdm=False)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert report["steps"] == report["planned_steps"] == 80 and [r["step"] for r in log] == list(range(10, 81, 10))
     assert log[-1]["loss"] < 0.1 * log[0]["loss"], [r["loss"] for r in log]
@@ -62,7 +62,7 @@ def test_held_out_sequences_are_scored_and_never_trained_on(cycles, tmp_path):
     cfg = TrainConfig(num_anchors=32, epochs=4, lr=3e-3, warmup_ratio=0.1, batch_anchors=128, max_seq_len=256,
                       eval_every=20, val_fraction=0.25)
     setup = new_draft(lm, SHAPE, seed=0, device=CPU)
-    report = train(lm, setup, prepare(seqs, cfg, 8, "mem"), cfg, tmp_path, None, use_tqdm=False)
+    report = train(lm, setup, prepare(seqs, cfg, "mem"), cfg, tmp_path, None, use_tqdm=False)
     held = report["data"]["held_out_sequences"]
     assert held == 10 and report["data"]["sequences"] == 30
     total = sum(len(s.input_ids) for s in seqs)
@@ -92,7 +92,7 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     seqs = [TokenSequence(torch.tensor(p + o.token_ids), torch.tensor([False] * len(p) + [True] * len(o.token_ids)))
             for p, o in zip(prompts, outs)]
-    data = prepare(seqs, cfg, B, "replay")
+    data = prepare(seqs, cfg, "replay")
     cap = capacity(data, cfg, B, pad=False)
     fwd = TrainingForward(lm.model, setup.model, setup.tap_layers, cap, "sdpa", compiled=False)
     varied = set()
@@ -120,7 +120,7 @@ def _run(lm, data, out, max_steps, resume=False):
                       max_steps=max_steps, save_every=1000, eval_every=0)
     setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
                                      mask_token_id=MASK), seed=1, device=CPU)
-    train(lm, setup, prepare(data, cfg, 4, "mem"), cfg, out, None, resume=resume, use_tqdm=False)
+    train(lm, setup, prepare(data, cfg, "mem"), cfg, out, None, resume=resume, use_tqdm=False)
     return setup.model, torch.load(out / "checkpoint.pt", weights_only=True)
 
 

@@ -92,7 +92,7 @@ def test_cuda_training_loop_evaluates_and_exports(tmp_path):
                       eval_max_tokens=16, log_every=2)
     setup = new_draft(lm, DraftShape(num_layers=2, block_size=8, target_layer_ids=[0, 2], intermediate_size=48,
                                      mask_token_id=MASK), seed=0, device=CUDA)
-    data = prepare(random_sequences(30, torch.Generator().manual_seed(7)), cfg, 8, "mem")
+    data = prepare(random_sequences(30, torch.Generator().manual_seed(7)), cfg, "mem")
     report = train(lm, setup, data, cfg, tmp_path / "out", [[3, 4, 5], [9, 10]], use_tqdm=False)
     assert report["attention"] == "flex" and report["micro_batch_capacity"]["padded"]
     assert report["steps"] == report["planned_steps"] and report["gpu_minutes"] > 0

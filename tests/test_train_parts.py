@@ -32,44 +32,52 @@ def _rows(text: str) -> torch.Tensor:
     return torch.tensor([[c == "1" for c in row] for row in text.split()])
 
 
-# Sequence 0: 5 tokens, the only possible anchor is 2 (response from 2, a <= 5 - 3); sequence 1: 4 tokens, anchor 1.
-# Keys: context of seq 0 (positions 0-4), of seq 1 (positions 0-3), then the 6 block rows (seq 0 block at positions
-# 2,3,4, seq 1 block at positions 1,2,3).
+# Sequence 0: 5 tokens, response from position 2: anchors 2 and 3 (a response token followed by one); the block at 3
+# runs past the end (its row at position 5 has no label). Sequence 1: 4 tokens, response 1-2: anchor 1 only.
+# Keys: context of seq 0 (positions 0-4), of seq 1 (positions 0-3), then the 9 block rows (seq 0 blocks at positions
+# 2,3,4 and 3,4,5, seq 1 block at positions 1,2,3).
 HAND_SEQS = [_seq([10, 11, 12, 13, 14], [0, 0, 1, 1, 1]), _seq([20, 21, 22, 23], [0, 1, 1, 0])]
 HAND_MASKS = {
-    (False, None): """110000000111000 110000000111000 110000000111000
-                      000001000000111 000001000000111 000001000000111""",
+    (False, None): """110000000111000000 110000000111000000 110000000111000000
+                      111000000000111000 111000000000111000 111000000000111000
+                      000001000000000111 000001000000000111 000001000000000111""",
     # causal, window 2: keys with 0 <= q_pos - k_pos < 2
-    (True, 2): """010000000100000 000000000110000 000000000011000
-                  000001000000100 000000000000110 000000000000011""",
+    (True, 2): """010000000100000000 000000000110000000 000000000011000000
+                  001000000000100000 000000000000110000 000000000000011000
+                  000001000000000100 000000000000000110 000000000000000011""",
     # non-causal, window 2: |q_pos - k_pos| < 2, context still only before the anchor
-    (False, 2): """010000000110000 000000000111000 000000000011000
-                   000001000000110 000000000000111 000000000000011""",
+    (False, 2): """010000000110000000 000000000111000000 000000000011000000
+                   001000000000110000 000000000000111000 000000000000011000
+                   000001000000000110 000000000000000111 000000000000000011""",
 }
 
 
 def test_block_mask_and_labels_hand_checked():
     w = slot_weights(3, 7.0)
     mb = build_micro_batch(HAND_SEQS, Capacity(64, 64, 3, pad=False), 8, MASK, w, generator(0))
-    assert mb.block_anchor.tolist() == [2, 2, 2, 1, 1, 1] and mb.block_pos.tolist() == [2, 3, 4, 1, 2, 3]
-    assert mb.block_ids.tolist() == [12, MASK, MASK, 21, MASK, MASK]
-    assert mb.labels.tolist() == [12, 13, 14, 21, 22, 23]
-    # slot 0 is never scored; seq 1's last label (position 3) is outside the response
-    assert mb.weights.tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), 0.0, 1.0, 0.0], rel=1e-6)
-    assert mb.loss_rows.tolist() == [1, 2, 4]
+    assert mb.block_anchor.tolist() == [2, 2, 2, 3, 3, 3, 1, 1, 1]
+    assert mb.block_pos.tolist() == [2, 3, 4, 3, 4, 5, 1, 2, 3]
+    assert mb.block_ids.tolist() == [12, MASK, MASK, 13, MASK, MASK, 21, MASK, MASK]
+    assert mb.labels.tolist() == [12, 13, 14, 13, 14, 0, 21, 22, 23]
+    # slot 0 is never scored; position 5 is past seq 0's end; seq 1's last label (position 3) is outside the response
+    e = math.exp(-1 / 7)
+    assert mb.weights.tolist() == pytest.approx([0.0, 1.0, e, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0], rel=1e-6)
+    assert mb.loss_rows.tolist() == [1, 2, 4, 7]
     layout = draft_layout(mb, 3)
     for (causal, window), text in HAND_MASKS.items():
         assert torch.equal(layout.dense(causal, window), _rows(text)), (causal, window)
 
 
 def test_block_stops_at_the_first_label_outside_the_response():
-    # response, user turn, response again: the only anchor is position 1 (a <= L - B); its slots 2..5 fall in the user
-    # turn and then in the next response. Everything from the first user-turn label on is unscored.
+    # response, user turn, response again: anchors 1 and 5 (2 is followed by the user turn, 6 by nothing). The block
+    # at 1 runs into the user turn and then the next response: everything from the first user-turn label on is
+    # unscored. The block at 5 runs past the end: only its slot 1 has a label.
     seq = TokenSequence(torch.arange(30, 37), torch.tensor([0, 1, 1, 0, 0, 1, 1], dtype=torch.bool))
     w = slot_weights(6, 7.0)
     mb = build_micro_batch([seq], Capacity(64, 64, 6, pad=False), 8, MASK, w, generator(0))
-    assert mb.block_anchor.tolist() == [1] * 6
-    assert mb.weights.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert mb.block_anchor.tolist() == [1] * 6 + [5] * 6
+    assert mb.weights.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0, 0.0] * 2)
+    assert mb.labels.tolist()[6:] == [35, 36, 0, 0, 0, 0]
 
 
 def test_slot_weights_and_gamma_rule():
@@ -85,8 +93,8 @@ def test_anchors_stay_inside_the_response(mask_bits, B, N, seed):
     mask = torch.tensor(mask_bits)
     L = len(mask)
     ids = torch.arange(100, 100 + L)
-    a = sample_anchors(mask, B, N, generator(seed))
-    eligible = [p for p in range(L - B + 1) if mask_bits[p]]
+    a = sample_anchors(mask, N, generator(seed))
+    eligible = [p for p in range(L - 1) if mask_bits[p] and mask_bits[p + 1]]  # slot 1 is always scored
     assert len(a) == min(N, len(eligible)) and a.tolist() == sorted(set(a.tolist()))
     assert all(p in eligible for p in a.tolist())
     if not len(a):
@@ -98,6 +106,7 @@ def test_anchors_stay_inside_the_response(mask_bits, B, N, seed):
     assert bool((rows % B > 0).all()) and bool(mask[pos].all()) and bool((pos < L).all())
     assert torch.equal(mb.labels[rows], ids[pos])  # same-position labels: slot k predicts x_{a+k}
     assert torch.equal(mb.block_ids[mb.block_pos == mb.block_anchor], ids[a])
+    assert bool((mb.weights.view(-1, B)[:, 1] > 0).all())  # every block scores slot 1
 
 
 def test_chunked_loss_matches_autograd_through_compute_logits():

@@ -3,10 +3,14 @@
 A block anchored at position a has ids [x_a, MASK x (B-1)] at positions a..a+B-1 and slot k (1..B-1) is labelled
 x_{a+k}, exactly the situation of inference where x_a is the bonus token at position `start` (DFLASH.md section 5).
 
-Tail rule: an anchor must be a response token (loss_mask) with a <= L - B, so every block lies inside its sequence
-(the last response token is still a label: slot B-1 of the block anchored at L - B). A label is used only where
-loss_mask is true and every earlier label of the block is one too, so a block that runs from one response into the
-next user turn is cut at the boundary (the next response's tokens after it are not scored)."""
+Anchor rule: an anchor is a response token (loss_mask) whose next token is one too, so slot 1 is always scored.
+Near the end of a sequence the block runs past it: rows beyond the last token exist (as they do at inference, where
+the drafter cannot know where the answer ends) but carry no label. DFLASH.md's recipe keeps blocks inside the
+sequence (a <= L - B); then the end-of-turn token is a label only at slot B-1 of one block per sequence, and a
+drafter trained that way never drafts it (0 of 10 answers ending in it on HumanEval, session 5), costing a verify
+step per answer. A label is used only where loss_mask is true and every earlier label of the block is one too, so
+a block that runs from one response into the next user turn is cut at the boundary (the next response's tokens
+after it are not scored)."""
 
 from __future__ import annotations
 
@@ -41,19 +45,19 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
-def eligible_anchors(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[n] int64: response positions a with a + block_size <= L, ascending."""
-    return torch.nonzero(loss_mask[: max(len(loss_mask) - block_size + 1, 0)]).flatten()
+def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[n] int64: response positions a whose next position is a response position too, ascending."""
+    return torch.nonzero(loss_mask[:-1] & loss_mask[1:]).flatten()
 
 
-def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int, gen: torch.Generator) -> torch.Tensor:
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, gen: torch.Generator) -> torch.Tensor:
     """Up to num_anchors distinct eligible anchors, drawn uniformly without replacement, returned ascending (sorted
     anchors keep a sequence's blocks in context order, which makes the attention mask block-sparse)."""
-    pool = eligible_anchors(loss_mask, block_size)
+    pool = eligible_anchors(loss_mask)
     if len(pool) > num_anchors:
         pool = pool[torch.randperm(len(pool), generator=gen)[:num_anchors]].sort().values
     return pool
 
 
-def num_anchors_of(loss_mask: torch.Tensor, block_size: int, num_anchors: int) -> int:
-    return min(num_anchors, len(eligible_anchors(loss_mask, block_size)))
+def num_anchors_of(loss_mask: torch.Tensor, num_anchors: int) -> int:
+    return min(num_anchors, len(eligible_anchors(loss_mask)))

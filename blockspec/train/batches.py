@@ -101,16 +101,18 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
         ids.append(seq.input_ids)
         pos.append(torch.arange(L))
         sid.append(torch.full((L,), s))
-        a = sample_anchors(seq.loss_mask, B, num_anchors, gen)
-        at = a[:, None] + slot[None]  # [n, B], inside the sequence by the anchor rule
+        a = sample_anchors(seq.loss_mask, num_anchors, gen)
+        at = a[:, None] + slot[None]  # [n, B]; rows past the sequence's end have no label
+        inside = at < L
+        at_in = at.clamp(max=L - 1)
         first.append(seq.input_ids[a])
         bpos.append(at.flatten())
         bseq.append(torch.full((len(a) * B,), s))
         banchor.append(a.repeat_interleave(B))
-        labels.append(seq.input_ids[at].flatten())
+        labels.append(torch.where(inside, seq.input_ids[at_in], 0).flatten())
         # a block ends at its first non-response label: slots past a user turn would ask the drafter to predict
         # the next answer from context that precedes that turn, which inference never does
-        weights.append((seq.loss_mask[at].long().cumprod(1) * slot_w[None]).flatten())
+        weights.append(((seq.loss_mask[at_in] & inside).long().cumprod(1) * slot_w[None]).flatten())
     n_blocks = sum(len(f) for f in first)
     block_ids = torch.full((n_blocks, B), mask_token_id)
     block_ids[:, 0] = torch.cat(first)

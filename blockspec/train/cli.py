@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             "num_layers": args.draft_layers, "block_size": args.block_size, "target_layer_ids": args.target_layer_ids,
             "intermediate_size": args.intermediate_size, "mask_token_id": args.mask_token_id}.items() if v is not None})
         setup = new_draft(lm, shape, args.seed, device)
-    data = prepare(seqs, cfg, setup.model.config.block_size, " + ".join(map(str, data_dirs)))
+    data = prepare(seqs, cfg, " + ".join(map(str, data_dirs)))
     report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume)
     tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
     if report["val"] is not None:

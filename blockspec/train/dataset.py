@@ -24,22 +24,22 @@ class TrainingSet:
         return sum(len(s.input_ids) for s in self.seqs)
 
 
-def prepare(seqs: list[TokenSequence], cfg: TrainConfig, block_size: int, where: str) -> TrainingSet:
+def prepare(seqs: list[TokenSequence], cfg: TrainConfig, where: str) -> TrainingSet:
     kept, anchors, dropped, cut = [], [], 0, 0
     for s in seqs:
         if len(s.input_ids) > cfg.max_seq_len:
             s = TokenSequence(s.input_ids[: cfg.max_seq_len], s.loss_mask[: cfg.max_seq_len])
             cut += 1
-        n = num_anchors_of(s.loss_mask, block_size, cfg.num_anchors)
+        n = num_anchors_of(s.loss_mask, cfg.num_anchors)
         if n == 0:
             dropped += 1
             continue
         kept.append(s)
         anchors.append(n)
     if not kept:
-        raise BlockspecError(f"{where}: no usable training sequence: each needs a response (loss_mask) token at "
-                             f"least {block_size} positions before its end (block size {block_size}); "
-                             f"{dropped} of {len(seqs)} sequences have none")
+        raise BlockspecError(f"{where}: no usable training sequence: each needs two consecutive response "
+                             f"(loss_mask) tokens within --max-seq-len {cfg.max_seq_len}; {dropped} of {len(seqs)} "
+                             f"sequences have none")
     return TrainingSet(kept, anchors, dropped, cut)
 
 
