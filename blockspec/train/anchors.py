@@ -7,7 +7,7 @@ Anchor rule: an anchor is a response token (loss_mask) whose next token is one t
 Near the end of a sequence the block runs past it: rows beyond the last token exist (as they do at inference, where
 the drafter cannot know where the answer ends) but carry no label. DFLASH.md's recipe keeps blocks inside the
 sequence (a <= L - B); then the end-of-turn token is a label only at slot B-1 of one block per sequence, and a
-drafter trained that way never drafts it (0 of 10 answers ending in it on HumanEval, session 5), costing a verify
+drafter trained that way never drafts it (0 of 10 HumanEval answers ending in it, docs/training.md), costing a verify
 step per answer. A label is used only where loss_mask is true and every earlier label of the block is one too, so
 a block that runs from one response into the next user turn is cut at the boundary (the next response's tokens
 after it are not scored)."""
