@@ -70,6 +70,7 @@ def test_held_out_sequences_are_scored_and_never_trained_on(cycles, tmp_path):
     vals = [e["val"] for e in report["evals"]]
     assert [e["step"] for e in report["evals"]] == [20, report["steps"]] and all(v["sequences"] == 10 for v in vals)
     assert vals[-1]["loss"] < vals[0]["loss"] and vals[-1]["tau"] > vals[0]["tau"], vals
+    assert 1.0 <= vals[0]["walk_tau"] < vals[-1]["walk_tau"], vals
     assert report["val"] == vals[-1] and report["tau"] is None  # no engine evaluation without prompts
     with pytest.raises(Exception, match="val_fraction=1.0 must be in"):
         TrainConfig(val_fraction=1.0)
@@ -86,6 +87,7 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     from blockspec.train.batches import build_micro_batch, generator
     from blockspec.train.dataset import capacity
     from blockspec.train.forward import TrainingForward
+    from blockspec.train.walk import response_starts, walk
 
     B = setup.model.config.block_size
     llm = LLM.from_loaded(lm, inference_draft(lm, setup.model), max_num_seqs=1)
@@ -104,14 +106,12 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
         hits = torch.zeros(len(mb.block_ids))
         hits[mb.loss_rows] = r.hits.float()
         accepted = hits.view(-1, B)[:, 1:].cumprod(1).sum(1).long().tolist()
-        at = {a: j for j, a in enumerate(mb.block_pos.view(-1, B)[:, 0].tolist())}
-        a, walk = len(prompts[i]), []
-        while a in at:
-            walk.append(1 + accepted[at[a]])
-            a += walk[-1]
-        n = len(walk) - 1  # the engine's last steps are cut by max_tokens, the walk's by the block rule
-        assert n >= 3 and walk[:n] == out.acceptance_lengths[:n], (walk, out.acceptance_lengths)
-        varied.update(walk[:n])
+        assert accepted == r.block_accepted.long().tolist()
+        steps = walk(mb.block_pos.view(-1, B)[:, 0].tolist(), accepted, response_starts(seq.loss_mask))
+        assert response_starts(seq.loss_mask) == [len(prompts[i])]
+        n = len(steps) - 1  # the engine's last steps are cut by max_tokens, the walk's by the block rule
+        assert n >= 3 and steps[:n] == out.acceptance_lengths[:n], (steps, out.acceptance_lengths)
+        varied.update(steps[:n])
     assert len(varied) >= 2  # not a trivial all-accepted or all-rejected replay
 
 

@@ -215,3 +215,16 @@ def test_flex_attention_matches_sdpa_on_a_padded_batch(target):
             0, bq[:Q], bk[:Q], bv[:Q], 0.25, *kind)
         got = BlockTrainingAttention(padded, ctx, 8, torch.float32, flex, d_masks)(0, bq, bk, bv, 0.25, *kind)
         assert torch.allclose(got[:Q], ref, atol=1e-5), kind
+
+
+def test_verification_walk_hand_checked():
+    from blockspec.train.walk import response_starts, walk
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    assert response_starts(mask) == [2, 10]
+    anchors = [2, 3, 4, 5, 6, 7, 10, 11]  # a block at every response position but the last of each answer
+    accepted = [2, 0, 0, 1, 0, 0, 0, 5]
+    # first answer: 2 accepts 2 -> 5 accepts 1 -> 7 accepts 0 -> 8: no block (user turn); second: 10 -> 11 -> 17
+    assert walk(anchors, accepted, [2, 10]) == [3, 2, 1, 1, 6]
+    assert walk(anchors, accepted, [3]) == [1, 1, 2, 1]  # another start, another path
+    assert walk([], [], [0]) == []

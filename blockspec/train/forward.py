@@ -24,6 +24,7 @@ class ForwardResult:
     hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
     slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row
     accepted: torch.Tensor  # scalar: sum over blocks of the leading run of hits (what verification would accept)
+    block_accepted: torch.Tensor  # [num_blocks]: that leading run per real block
 
 
 class TrainingForward:
@@ -71,5 +72,5 @@ class TrainingForward:
         # the training-side acceptance length, comparable with the engine's tau on similar prompts
         grid = torch.zeros(len(mb.block_ids), dtype=torch.float32, device=hits.device)
         grid[mb.loss_rows] = hits.float()
-        accepted = grid[: mb.num_blocks * B].view(-1, B)[:, 1:].cumprod(1).sum()  # real blocks come first
-        return ForwardResult(total, hits, mb.loss_rows % B, accepted)
+        per_block = grid[: mb.num_blocks * B].view(-1, B)[:, 1:].cumprod(1).sum(1)  # real blocks come first
+        return ForwardResult(total, hits, mb.loss_rows % B, per_block.sum(), per_block)

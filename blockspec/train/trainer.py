@@ -103,7 +103,8 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             said.append(f"tau {entry['tau']:.3f} on {len(eval_prompts)} held-out prompts")
         if val is not None:
             entry["val"] = v = validate(fwd, val, cap, cfg, setup.mask_token_id, w_slot)
-            said.append(f"held-out sequences: loss {v['loss']:.3f}, acc {v['acc_mean']:.3f}, block tau {v['tau']:.2f}")
+            said.append(f"held-out sequences: loss {v['loss']:.3f}, acc {v['acc_mean']:.3f}, block tau {v['tau']:.2f}, "
+                        f"walk tau {v['walk_tau']:.2f}")
         if said:
             progress.eval_time_s += time.perf_counter() - t0
             progress.evals.append(entry)

@@ -1,6 +1,8 @@
 """Held-out training sequences: the loss, per-slot accuracy and acceptance length of the training blocks that the
-drafter reaches on sequences it never trains on. Next to the same figures of the training windows this shows
-overfitting directly; the engine's tau on evaluation prompts mixes it with the shift to another prompt set."""
+drafter reaches on sequences it never trains on, and the tau of the verification walk over them (train/walk.py:
+the engine's tau on those texts when every response position is an anchor). Next to the same figures of the training
+windows this shows overfitting directly; the engine's tau on evaluation prompts mixes it with the shift to another
+prompt set."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import TrainingSet
 from blockspec.train.forward import TrainingForward
 from blockspec.train.metrics import Window
+from blockspec.train.walk import response_starts, walk
 
 
 def split_validation(data: TrainingSet, fraction: float, seed: int) -> tuple[TrainingSet, TrainingSet | None]:
@@ -40,11 +43,18 @@ def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainCo
     B, device = cap.block_size, fwd.device
     plan = plan_epoch([len(s.input_ids) for s in val.seqs], val.anchors, cap, generator(cfg.seed, 4))
     window = Window(B, device)
+    steps: list[int] = []
     for j, ids in enumerate(plan):
         mb = build_micro_batch([val.seqs[i] for i in ids], cap, cfg.num_anchors, mask_token_id, slot_w,
                                generator(cfg.seed, 5, j))
         window.weight += float(mb.weights.sum())  # on the host, before the copy
-        mb = mb.to(device)
-        window.add(fwd(mb), mb)
+        anchors = mb.block_anchor.view(-1, B)[: mb.num_blocks, 0].tolist()
+        r = fwd(mb.to(device))
+        window.add(r, mb)
+        accepted, k = r.block_accepted.long().tolist(), 0
+        for i, n in zip(ids, mb.blocks_per_seq):
+            steps += walk(anchors[k:k + n], accepted[k:k + n], response_starts(val.seqs[i].loss_mask))
+            k += n
     s = window.summary()
-    return {k: s[k] for k in ("loss", "acc", "acc_mean", "tau")} | {"sequences": len(val.seqs)}
+    return ({k: s[k] for k in ("loss", "acc", "acc_mean", "tau")}
+            | {"walk_tau": sum(steps) / max(len(steps), 1), "sequences": len(val.seqs)})
