@@ -120,14 +120,15 @@ def test_chunked_loss_matches_autograd_through_compute_logits():
     hidden = torch.randn(23, 16, requires_grad=True)
     rows = torch.tensor([1, 2, 3, 5, 8, 9, 10, 13, 14, 15, 19, 21])
     labels, weights = torch.randint(0, 50, (23,)), torch.rand(23)
-    total, hits = loss(hidden, rows, labels, weights)
-    total.backward()
+    factor = 1 + torch.rand(len(rows))  # per-row factors applied after the forward (the walk weighting's use)
+    losses, hits = loss(hidden, rows, labels, weights)
+    (losses * factor).sum().backward()
     ours = hidden.grad.clone()
     hidden.grad = None
     logits = draft.compute_logits(hidden[rows], head)
-    ref = (F.cross_entropy(logits, labels[rows], reduction="none") * weights[rows]).sum()
-    ref.backward()
-    assert torch.allclose(total, ref, rtol=1e-5) and torch.allclose(ours, hidden.grad, atol=1e-6)
+    ref = F.cross_entropy(logits, labels[rows], reduction="none") * weights[rows]
+    (ref * factor).sum().backward()
+    assert torch.allclose(losses, ref, rtol=1e-5) and torch.allclose(ours, hidden.grad, atol=1e-6)
     assert torch.equal(hits, logits.argmax(-1) == labels[rows])
 
 
@@ -228,3 +229,68 @@ def test_verification_walk_hand_checked():
     assert walk(anchors, accepted, [2, 10]) == [3, 2, 1, 1, 6]
     assert walk(anchors, accepted, [3]) == [1, 1, 2, 1]  # another start, another path
     assert walk([], [], [0]) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 8), st.booleans())
+def test_device_walk_visits_what_the_host_walk_visits(seed, B, pad):
+    from blockspec.train.walk import response_starts, visited_blocks, walk
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = random_sequences(5, gen, min_len=8, max_len=40)  # some with a user turn inside: two walks
+    n_anchors = sum(int((s.loss_mask[:-1] & s.loss_mask[1:]).sum()) for s in seqs)
+    cap = Capacity(256, max(n_anchors, 1) + 7, B, pad)
+    mb = build_micro_batch(seqs, cap, 1000, MASK, slot_weights(B, 4.0), generator(seed))
+    n = mb.num_blocks
+    # any acceptance lengths the blocks allow: at most the run of scored slots (a block never accepts past its
+    # response, as in the training forward, where unscored rows count as misses)
+    scored = (mb.weights[: n * B].view(n, B)[:, 1:] > 0).long().cumprod(1).sum(1)
+    accepted = torch.minimum(torch.randint(0, B, (n,), generator=gen), scored)
+    first = slice(0, n * B, B)
+    got = visited_blocks(mb.block_anchor[first], mb.block_seq[first], accepted, mb.block_start[first], mb.seq_ids,
+                         mb.positions, cap.tokens)
+    anchors, seq_of = mb.block_anchor[first].tolist(), mb.block_seq[first].tolist()
+    want = set()
+    for s, seq in enumerate(seqs):
+        idx = [j for j in range(n) if seq_of[j] == s]
+        a = [anchors[j] for j in idx]
+        at = dict(zip(a, idx))
+        here = set()
+        for start in response_starts(seq.loss_mask):  # replay the walk, collecting the blocks it steps on
+            p = start
+            while p in at:
+                here.add(at[p])
+                p += int(accepted[at[p]]) + 1
+        # one block per step of walk() (positions only grow, so no block is stepped on twice)
+        assert len(walk(a, accepted[idx].tolist(), response_starts(seq.loss_mask))) == len(here)
+        want |= here
+    assert want and set(torch.nonzero(got).flatten().tolist()) == want
+
+
+def test_walk_weight_adds_the_visited_blocks_losses_once_more(target):
+    from blockspec.train.walk import response_starts
+
+    lm = target
+    draft = _draft(lm)
+    seqs = random_sequences(3, torch.Generator().manual_seed(5), min_len=14, max_len=24)
+    B = 4
+    cap = Capacity(128, 256, B, pad=False)
+    mb = build_micro_batch(seqs, cap, 100, MASK, slot_weights(B, 4.0), generator(1))
+    plain = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
+    walked = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, walk_weight=1.0)
+    with torch.no_grad():
+        r0, r1 = plain(mb), walked(mb)
+        losses, _ = plain.loss(plain.hidden(mb, plain.taps(mb)), mb.loss_rows, mb.labels, mb.weights)
+    assert torch.equal(r0.block_accepted, r1.block_accepted)
+    # the walk on the host from each response start, over this batch's blocks and their acceptance lengths
+    anchors, seq_of = mb.block_anchor[::B].tolist(), mb.block_seq[::B].tolist()
+    visited = []
+    for s, seq in enumerate(seqs):
+        at = {anchors[j]: j for j in range(mb.num_blocks) if seq_of[j] == s}
+        for p in response_starts(seq.loss_mask):
+            while p in at:
+                visited.append(at[p])
+                p += int(r0.block_accepted[at[p]]) + 1
+    extra = sum(float(losses[(mb.loss_rows // B) == j].sum()) for j in visited)
+    assert len(visited) >= 3 and extra > 0
+    assert float(r1.loss_sum) == pytest.approx(float(r0.loss_sum) + extra, rel=1e-5)

@@ -11,6 +11,7 @@ import torch
 
 from blockspec.data.shards import TokenSequence
 from blockspec.train.anchors import sample_anchors
+from blockspec.train.walk import response_starts
 
 TILE = 128  # FlexAttention's sparse block: padded lengths are multiples of it
 
@@ -54,6 +55,7 @@ class MicroBatch:
     block_pos: torch.Tensor  # [Q] int64: a + slot
     block_seq: torch.Tensor  # [Q] int64: sequence index; padding -1
     block_anchor: torch.Tensor  # [Q] int64: a; padding 0 (sees no context)
+    block_start: torch.Tensor  # [Q] bool: a is the first token of a response (where a verification walk starts)
     labels: torch.Tensor  # [Q] int64: x_{a+slot} (0 where unused)
     weights: torch.Tensor  # [Q] float32: slot weight where the label is a response token, else 0
     loss_rows: torch.Tensor  # [R] int64: the rows with weight > 0, the only ones sent through the lm_head
@@ -95,7 +97,7 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
     B = cap.block_size
     slot = torch.arange(B)
     ids, pos, sid = [], [], []
-    bpos, bseq, banchor, labels, weights, first = [], [], [], [], [], []
+    bpos, bseq, banchor, bstart, labels, weights, first = [], [], [], [], [], [], []
     for s, seq in enumerate(seqs):
         L = len(seq.input_ids)
         ids.append(seq.input_ids)
@@ -109,6 +111,7 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
         bpos.append(at.flatten())
         bseq.append(torch.full((len(a) * B,), s))
         banchor.append(a.repeat_interleave(B))
+        bstart.append(torch.isin(a, torch.tensor(response_starts(seq.loss_mask), dtype=a.dtype)).repeat_interleave(B))
         labels.append(torch.where(inside, seq.input_ids[at_in], 0).flatten())
         # a block ends at its first non-response label: slots past a user turn would ask the drafter to predict
         # the next answer from context that precedes that turn, which inference never does
@@ -119,7 +122,8 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
     w = torch.cat(weights).float()
     mb = MicroBatch(
         torch.cat(ids), torch.cat(pos), torch.cat(sid), [len(s.input_ids) for s in seqs],
-        block_ids.flatten(), torch.cat(bpos), torch.cat(bseq), torch.cat(banchor), torch.cat(labels), w,
+        block_ids.flatten(), torch.cat(bpos), torch.cat(bseq), torch.cat(banchor), torch.cat(bstart),
+        torch.cat(labels), w,
         torch.nonzero(w > 0).flatten(), [len(f) for f in first], sum(len(s.input_ids) for s in seqs), n_blocks,
     )
     return _pad(mb, cap, mask_token_id) if cap.pad else mb
@@ -136,6 +140,6 @@ def _pad(mb: MicroBatch, cap: Capacity, mask_token_id: int) -> MicroBatch:
     return MicroBatch(
         ext(mb.input_ids, pt, 0), ext(mb.positions, pt, 0), ext(mb.seq_ids, pt, -1 - torch.arange(T, T + pt)),
         mb.seq_lens, ext(mb.block_ids, pq, mask_token_id), ext(mb.block_pos, pq, 0), ext(mb.block_seq, pq, -1),
-        ext(mb.block_anchor, pq, 0), ext(mb.labels, pq, 0), ext(mb.weights, pq, 0.0), mb.loss_rows, mb.blocks_per_seq,
+        ext(mb.block_anchor, pq, 0), ext(mb.block_start, pq, False), ext(mb.labels, pq, 0), ext(mb.weights, pq, 0.0), mb.loss_rows, mb.blocks_per_seq,
         mb.num_tokens, mb.num_blocks,
     )

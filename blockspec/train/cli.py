@@ -45,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "the data's tokens per anchor)")
     t.add_argument("--max-seq-len", type=int, default=3072, help="longer sequences are cut")
     t.add_argument("--loss-gamma", type=float, default=None, help="slot weight decay (default 7/5/4 for B 16/10/8)")
+    t.add_argument("--walk-weight", type=float, default=0.0, help="extra loss weight of the blocks the verification "
+                   "walk visits (where the engine's blocks start, right after a wrong draft); 0: off (experimental)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (resumable; the LR "
                    "schedule still spans all epochs)")
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         batch_anchors=args.batch_anchors, batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len,
         seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, save_every=args.save_every,
         eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens, attention=args.attention,
-        val_fraction=args.val_fraction,
+        val_fraction=args.val_fraction, walk_weight=args.walk_weight,
     )
     if args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume)
     tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
     if report["val"] is not None:
-        tau += f", held-out block tau {report['val']['tau']:.2f}"
+        tau += f", held-out block tau {report['val']['tau']:.2f}, walk tau {report['val']['walk_tau']:.2f}"
     print(f"trained {report['steps']} steps on {report['target_tokens']} target tokens in {report['train_time_s']}s "
           f"({report['tokens_per_s']} tokens/s){tau}; drafter written to {out}", file=sys.stderr)
     return 0

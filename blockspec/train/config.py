@@ -9,7 +9,8 @@ from blockspec.errors import ConfigError
 
 # Fields that fix the sequence of batches and updates: a checkpoint resumes only under the same values.
 TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_ratio", "grad_clip", "grad_accum",
-                     "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction")
+                     "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction",
+                     "walk_weight")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class TrainConfig:
     log_every: int = 10  # optimizer steps per line of train_log.jsonl
     attention: str = "auto"  # flex | sdpa | auto (flex on CUDA, sdpa on CPU)
     val_fraction: float = 0.0  # sequences held out of training, scored at every evaluation (train/validate.py)
+    walk_weight: float = 0.0  # extra loss weight of the blocks a verification walk visits (train/walk.py); 0: off
 
     def __post_init__(self) -> None:
         positive = ("num_anchors", "epochs", "grad_accum", "batch_anchors", "max_seq_len", "save_every",
@@ -57,6 +59,8 @@ class TrainConfig:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0 and grad_clip={self.grad_clip!r} > 0")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ConfigError(f"loss_gamma={self.loss_gamma!r} must be > 0")
+        if not self.walk_weight >= 0:
+            raise ConfigError(f"walk_weight={self.walk_weight!r} must be >= 0")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"val_fraction={self.val_fraction!r} must be in [0, 1)")
         if self.attention not in ("auto", "flex", "sdpa"):

@@ -16,11 +16,12 @@ from blockspec.models.dflash import DFlashDraftModel
 from blockspec.train.attention import BlockTrainingAttention, FlexState, PackedCausalAttention
 from blockspec.train.batches import Capacity, MicroBatch
 from blockspec.train.loss import BlockLoss
+from blockspec.train.walk import visited_blocks
 
 
 @dataclass
 class ForwardResult:
-    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (differentiable)
+    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (x the walk factor; differentiable)
     hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
     slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row
     accepted: torch.Tensor  # scalar: sum over blocks of the leading run of hits (what verification would accept)
@@ -32,8 +33,9 @@ class TrainingForward:
     padded capacity (Capacity.pad) and CUDA for speed; "sdpa" is exact, one sequence at a time."""
 
     def __init__(self, target: nn.Module, draft: DFlashDraftModel, tap_layers: list[int], cap: Capacity,
-                 attention: str, compiled: bool) -> None:
+                 attention: str, compiled: bool, walk_weight: float = 0.0) -> None:
         self.target, self.draft, self.tap_layers, self.cap = target, draft, tap_layers, cap
+        self.walk_weight = walk_weight
         target.requires_grad_(False)
         self.device = target.embed_tokens.weight.device
         cuda = self.device.type == "cuda"
@@ -66,11 +68,18 @@ class TrainingForward:
     def __call__(self, mb: MicroBatch) -> ForwardResult:
         target_mask, draft_masks = self.flex.load(mb) if self.flex is not None else (None, None)
         hidden = self.hidden(mb, self.taps(mb, target_mask), draft_masks)
-        total, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
-        B = self.cap.block_size
+        losses, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
+        B, n = self.cap.block_size, mb.num_blocks
         # hits laid back out as [blocks, B] (unscored rows count as misses, so a block stops at the response end):
         # the training-side acceptance length, comparable with the engine's tau on similar prompts
         grid = torch.zeros(len(mb.block_ids), dtype=torch.float32, device=hits.device)
         grid[mb.loss_rows] = hits.float()
-        per_block = grid[: mb.num_blocks * B].view(-1, B)[:, 1:].cumprod(1).sum(1)  # real blocks come first
-        return ForwardResult(total, hits, mb.loss_rows % B, per_block.sum(), per_block)
+        per_block = grid[: n * B].view(-1, B)[:, 1:].cumprod(1).sum(1)  # real blocks come first
+        if self.walk_weight > 0:
+            # the blocks verification would visit on this text weigh 1 + walk_weight: the engine's tau is the mean
+            # acceptance over exactly those (train/walk.py), which start right after a draft the drafter got wrong
+            first = slice(0, n * B, B)
+            visited = visited_blocks(mb.block_anchor[first], mb.block_seq[first], per_block.long(),
+                                     mb.block_start[first], mb.seq_ids, mb.positions, self.cap.tokens)
+            losses = losses * (1.0 + self.walk_weight * visited[mb.loss_rows // B].float())
+        return ForwardResult(losses.sum(), hits, mb.loss_rows % B, per_block.sum(), per_block)

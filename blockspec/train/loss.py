@@ -1,8 +1,9 @@
-"""The DFlash loss over the target's (frozen) lm_head without ever holding all logits: sum_r w_r * CE(logits_r, y_r).
+"""The DFlash loss over the target's (frozen) lm_head without ever holding all logits: w_r * CE(logits_r, y_r) per row.
 
 Logits of 512 anchors x 16 slots x a 50k-150k vocabulary are gigabytes per sequence, so rows go through the lm_head
 a chunk at a time and the gradient with respect to the hidden rows is formed right there (softmax - onehot, through
-compute_logits' multiplier and softcap, back through the lm_head), leaving only [rows, H] for the backward pass.
+compute_logits' multiplier and softcap, back through the lm_head), leaving only [rows, H] for the backward pass. The loss comes out per row, so a caller may weigh rows by what the
+forward itself found (their gradient rows are scaled by the same factors in backward).
 The lm_head is frozen, so no weight gradient is needed. On CUDA the chunk function is compiled (fused softmax, no fp32
 logits in memory) and chunks are padded to one size so it compiles once."""
 
@@ -26,7 +27,7 @@ def chunk_rows(vocab_size: int) -> int:
 
 def ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, multiplier: float,
              softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [N, H], weight [V, H] (lm_head), labels [N], w [N] -> (sum of w * CE, d(sum)/dh [N, H], argmax hits [N]).
+    """h [N, H], weight [V, H] (lm_head), labels [N], w [N] -> (w * CE [N], d(w * CE)/dh [N, H], argmax hits [N]).
     The logits are those of DFlashDraftModel.compute_logits."""
     logits = F.linear(h.to(weight.dtype), weight).float()
     if multiplier != 1.0:
@@ -35,7 +36,7 @@ def ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: tor
         t = torch.tanh(logits / softcap)
         logits = t * softcap
     lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, labels[:, None])[:, 0]) * w).sum()
+    loss = (lse - logits.gather(1, labels[:, None])[:, 0]) * w
     g = torch.exp(logits - lse[:, None]).scatter_add(1, labels[:, None], -torch.ones_like(logits[:, :1]))
     g = g * w[:, None]
     if softcap:
@@ -51,19 +52,18 @@ class _ChunkedCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, w, fn, chunk):  # type: ignore[override]
         grad = torch.empty_like(hidden)
         hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
-            loss, grad[s:s + chunk], hits[s:s + chunk] = fn(hidden[s:s + chunk], weight, labels[s:s + chunk],
-                                                            w[s:s + chunk])
-            total = total + loss
+            losses[s:s + chunk], grad[s:s + chunk], hits[s:s + chunk] = fn(hidden[s:s + chunk], weight,
+                                                                           labels[s:s + chunk], w[s:s + chunk])
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
-        return total, hits
+        return losses, hits
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_hits):  # type: ignore[override]
+    def backward(ctx, grad_losses, _grad_hits):  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        return grad * grad_total, None, None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None
 
 
 class BlockLoss:
@@ -83,12 +83,12 @@ class BlockLoss:
 
     def __call__(self, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [Q, H]; rows [R] (rows to score); labels, weights [Q] -> (sum of w * CE, hits [R])."""
+        """hidden [Q, H]; rows [R] (rows to score); labels, weights [Q] -> (w * CE [R], hits [R])."""
         R = len(rows)
         if self.pad and R % self.chunk:
             rows = torch.cat([rows, rows.new_zeros(self.chunk - R % self.chunk)])
         w = weights[rows]
         if self.pad:
             w[R:] = 0.0
-        total, hits = _ChunkedCE.apply(hidden[rows], self.weight, labels[rows], w, self.fn, self.chunk)
-        return total, hits[:R]
+        losses, hits = _ChunkedCE.apply(hidden[rows], self.weight, labels[rows], w, self.fn, self.chunk)
+        return losses[:R], hits[:R]
