@@ -87,7 +87,8 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     from blockspec.train.batches import build_micro_batch, generator
     from blockspec.train.dataset import capacity
     from blockspec.train.forward import TrainingForward
-    from blockspec.train.walk import response_starts, walk
+    from blockspec.train.anchors import response_starts
+    from blockspec.train.walk import walk
 
     B = setup.model.config.block_size
     llm = LLM.from_loaded(lm, inference_draft(lm, setup.model), max_num_seqs=1)
@@ -107,8 +108,8 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
         hits[mb.loss_rows] = r.hits.float()
         accepted = hits.view(-1, B)[:, 1:].cumprod(1).sum(1).long().tolist()
         assert accepted == r.block_accepted.long().tolist()
-        steps = walk(mb.block_pos.view(-1, B)[:, 0].tolist(), accepted, response_starts(seq.loss_mask))
         assert response_starts(seq.loss_mask) == [len(prompts[i])]
+        steps = [accepted[j] + 1 for j in walk(mb.block_pos[::B].tolist(), accepted, [len(prompts[i])])]
         n = len(steps) - 1  # the engine's last steps are cut by max_tokens, the walk's by the block rule
         assert n >= 3 and steps[:n] == out.acceptance_lengths[:n], (steps, out.acceptance_lengths)
         varied.update(steps[:n])

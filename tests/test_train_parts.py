@@ -143,18 +143,22 @@ def _draft(lm, layer_types=("sliding_attention", "full_attention"), window=5, bl
     return model
 
 
+def _small_batch(lm, num_anchors: int, B: int = 4):
+    """A tiny drafter and a micro-batch of three random sequences for forward-level checks."""
+    seqs = random_sequences(3, torch.Generator().manual_seed(5), min_len=14, max_len=24)
+    cap = Capacity(128, 256, B, pad=False)
+    return _draft(lm, block_size=B), seqs, cap, build_micro_batch(seqs, cap, num_anchors, MASK,
+                                                                   slot_weights(B, 4.0), generator(1))
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return tiny_target(tmp_path_factory.mktemp("train_parts"))
 
 
 def test_training_forward_equals_inference_draft_path(target):
-    lm = target
-    draft = _draft(lm)
-    seqs = random_sequences(3, torch.Generator().manual_seed(5), min_len=14, max_len=24)
-    B = 4
-    cap = Capacity(128, 256, B, pad=False)
-    mb = build_micro_batch(seqs, cap, 6, MASK, slot_weights(B, 4.0), generator(1))
+    lm, B = target, 4
+    draft, seqs, cap, mb = _small_batch(lm, 6, B)
     fwd = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
     with torch.no_grad():
         logits = draft.compute_logits(fwd.hidden(mb, fwd.taps(mb)), lm.model.lm_head)
@@ -219,22 +223,38 @@ def test_flex_attention_matches_sdpa_on_a_padded_batch(target):
 
 
 def test_verification_walk_hand_checked():
-    from blockspec.train.walk import response_starts, walk
+    from blockspec.train.anchors import response_starts
+    from blockspec.train.walk import walk
 
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
     assert response_starts(mask) == [2, 10]
     anchors = [2, 3, 4, 5, 6, 7, 10, 11]  # a block at every response position but the last of each answer
     accepted = [2, 0, 0, 1, 0, 0, 0, 5]
     # first answer: 2 accepts 2 -> 5 accepts 1 -> 7 accepts 0 -> 8: no block (user turn); second: 10 -> 11 -> 17
-    assert walk(anchors, accepted, [2, 10]) == [3, 2, 1, 1, 6]
-    assert walk(anchors, accepted, [3]) == [1, 1, 2, 1]  # another start, another path
+    assert walk(anchors, accepted, [2, 10]) == [0, 3, 5, 6, 7]
+    assert walk(anchors, accepted, [3]) == [1, 2, 3, 5]  # another start, another path
     assert walk([], [], [0]) == []
+
+
+def _host_walk(mb, seqs, accepted: list[int], B: int) -> list[int]:
+    """The blocks (micro-batch indices) that walk() visits in each sequence of a micro-batch, from its responses'
+    starts."""
+    from blockspec.train.anchors import response_starts
+    from blockspec.train.walk import walk
+
+    anchors, seq_of = mb.block_anchor[: mb.num_blocks * B: B].tolist(), mb.block_seq[: mb.num_blocks * B: B].tolist()
+    out = []
+    for s, seq in enumerate(seqs):
+        idx = [j for j in range(mb.num_blocks) if seq_of[j] == s]
+        out += [idx[k] for k in walk([anchors[j] for j in idx], [accepted[j] for j in idx],
+                                     response_starts(seq.loss_mask))]
+    return out
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10_000), st.integers(2, 8), st.booleans())
 def test_device_walk_visits_what_the_host_walk_visits(seed, B, pad):
-    from blockspec.train.walk import response_starts, visited_blocks, walk
+    from blockspec.train.walk import visited_blocks
 
     gen = torch.Generator().manual_seed(seed)
     seqs = random_sequences(5, gen, min_len=8, max_len=40)  # some with a user turn inside: two walks
@@ -246,51 +266,22 @@ def test_device_walk_visits_what_the_host_walk_visits(seed, B, pad):
     # response, as in the training forward, where unscored rows count as misses)
     scored = (mb.weights[: n * B].view(n, B)[:, 1:] > 0).long().cumprod(1).sum(1)
     accepted = torch.minimum(torch.randint(0, B, (n,), generator=gen), scored)
-    first = slice(0, n * B, B)
-    got = visited_blocks(mb.block_anchor[first], mb.block_seq[first], accepted, mb.block_start[first], mb.seq_ids,
-                         mb.positions, cap.tokens)
-    anchors, seq_of = mb.block_anchor[first].tolist(), mb.block_seq[first].tolist()
-    want = set()
-    for s, seq in enumerate(seqs):
-        idx = [j for j in range(n) if seq_of[j] == s]
-        a = [anchors[j] for j in idx]
-        at = dict(zip(a, idx))
-        here = set()
-        for start in response_starts(seq.loss_mask):  # replay the walk, collecting the blocks it steps on
-            p = start
-            while p in at:
-                here.add(at[p])
-                p += int(accepted[at[p]]) + 1
-        # one block per step of walk() (positions only grow, so no block is stepped on twice)
-        assert len(walk(a, accepted[idx].tolist(), response_starts(seq.loss_mask))) == len(here)
-        want |= here
-    assert want and set(torch.nonzero(got).flatten().tolist()) == want
+    got = visited_blocks(mb, accepted, B, cap.tokens)
+    want = _host_walk(mb, seqs, accepted.tolist(), B)
+    assert want and len(set(want)) == len(want)  # positions only grow: no block is stepped on twice
+    assert set(torch.nonzero(got).flatten().tolist()) == set(want)
 
 
 def test_walk_weight_adds_the_visited_blocks_losses_once_more(target):
-    from blockspec.train.walk import response_starts
-
-    lm = target
-    draft = _draft(lm)
-    seqs = random_sequences(3, torch.Generator().manual_seed(5), min_len=14, max_len=24)
-    B = 4
-    cap = Capacity(128, 256, B, pad=False)
-    mb = build_micro_batch(seqs, cap, 100, MASK, slot_weights(B, 4.0), generator(1))
+    lm, B = target, 4
+    draft, seqs, cap, mb = _small_batch(lm, 100, B)
     plain = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
     walked = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, walk_weight=1.0)
     with torch.no_grad():
         r0, r1 = plain(mb), walked(mb)
         losses, _ = plain.loss(plain.hidden(mb, plain.taps(mb)), mb.loss_rows, mb.labels, mb.weights)
     assert torch.equal(r0.block_accepted, r1.block_accepted)
-    # the walk on the host from each response start, over this batch's blocks and their acceptance lengths
-    anchors, seq_of = mb.block_anchor[::B].tolist(), mb.block_seq[::B].tolist()
-    visited = []
-    for s, seq in enumerate(seqs):
-        at = {anchors[j]: j for j in range(mb.num_blocks) if seq_of[j] == s}
-        for p in response_starts(seq.loss_mask):
-            while p in at:
-                visited.append(at[p])
-                p += int(r0.block_accepted[at[p]]) + 1
+    visited = _host_walk(mb, seqs, r0.block_accepted.long().tolist(), B)
     extra = sum(float(losses[(mb.loss_rows // B) == j].sum()) for j in visited)
     assert len(visited) >= 3 and extra > 0
     assert float(r1.loss_sum) == pytest.approx(float(r0.loss_sum) + extra, rel=1e-5)

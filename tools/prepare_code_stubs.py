@@ -10,12 +10,11 @@ duplicates are dropped; the packages that carry evaluation sets are skipped whol
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 from blockspec.data.code_prompts import SOLVE, source_units
-from blockspec.data.exclusion import filter_prompts, normalized_hash
+from blockspec.data.exclusion import normalized_hash, write_training_prompts
 from blockspec.data.prompts import read_prompts
 
 # evaluation-set carriers and test trees: nothing from them may become training data
@@ -52,10 +51,7 @@ def main() -> None:
     used = {normalized_hash(t) for t in read_prompts(a.exclude).prompts} if a.exclude else set()
     fresh = [s for s in found if normalized_hash(s) not in used]
     random.Random(a.seed).shuffle(fresh)
-    kept = filter_prompts(fresh)
-    with open(a.out, "w") as f:
-        for prompt in kept.prompts[: a.num]:
-            f.write(json.dumps({"prompt": prompt}) + "\n")
+    kept = write_training_prompts(a.out, fresh, a.num)
     print(f"{min(a.num, len(kept.prompts))} prompts of {len(kept.prompts)} new stubs ({len(found)} found, "
           f"{len(found) - len(fresh)} already used, {kept.num_excluded_eval} evaluation prompts and "
           f"{kept.num_duplicates} duplicates dropped) -> {a.out}")

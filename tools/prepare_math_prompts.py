@@ -13,9 +13,10 @@ the rest stay bare (as MT-Bench asks)."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
+
+from blockspec.data.exclusion import write_training_prompts
 
 GENERATORS = (
     "basic_arithmetic", "decimal_arithmetic", "complex_arithmetic", "fraction_simplification", "gcd", "lcm",
@@ -47,10 +48,9 @@ def main() -> None:
     prompts = [q + SUFFIX if not OWN_FORMAT.search(q) and rng.random() < 0.5 else q
                for q in dict.fromkeys(prompts) if q]
     rng.shuffle(prompts)
-    with open(a.out, "w") as f:
-        for q in prompts[: a.num]:
-            f.write(json.dumps({"prompt": q}) + "\n")
-    print(f"wrote {min(a.num, len(prompts))} prompts ({len(GENERATORS)} generators) to {a.out}")
+    kept = write_training_prompts(a.out, prompts, a.num)
+    print(f"wrote {min(a.num, len(kept.prompts))} prompts ({len(GENERATORS)} generators; "
+          f"{kept.num_excluded_eval} evaluation prompts dropped) to {a.out}")
 
 
 if __name__ == "__main__":

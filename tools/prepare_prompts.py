@@ -10,13 +10,12 @@ dropped. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sysconfig
 from pathlib import Path
 
 from blockspec.data.code_prompts import COMPLETE, SOLVE, code_prompts
-from blockspec.data.exclusion import filter_prompts
+from blockspec.data.exclusion import write_training_prompts
 from blockspec.data.prompts import read_prompts
 
 
@@ -48,10 +47,7 @@ def main() -> None:
     code = [c for c in code if c.startswith(stub)] + [c for c in code if not c.startswith(stub)]
     prompts = chat[: a.num_sharegpt] + code[: a.num_code]
     rng.shuffle(prompts)
-    kept = filter_prompts(prompts)
-    with open(a.out, "w") as f:
-        for prompt in kept.prompts:
-            f.write(json.dumps({"prompt": prompt}) + "\n")
+    kept = write_training_prompts(a.out, prompts)
     print(f"{len(kept.prompts)} prompts ({min(len(chat), a.num_sharegpt)} ShareGPT of {len(chat)}, "
           f"{min(len(code), a.num_code)} code; {kept.num_excluded_eval} evaluation prompts and {kept.num_duplicates} "
           f"duplicates dropped) -> {a.out}")

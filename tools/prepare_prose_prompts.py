@@ -14,12 +14,11 @@ Evaluation prompts and duplicates are dropped. Usage (no install needed, the pac
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 from pathlib import Path
 
-from blockspec.data.exclusion import filter_prompts
+from blockspec.data.exclusion import write_training_prompts
 
 DOC_REQUESTS = (
     "Explain this passage from the Python documentation in simpler words:\n\n{}",
@@ -95,10 +94,7 @@ def main() -> None:
     prompts = [rng.choice(DOC_REQUESTS).format(t) for t in paras[: a.num_docs]]
     prompts += [rng.choice(WORD_REQUESTS).format(w) for w in words[: a.num_words]]
     rng.shuffle(prompts)
-    kept = filter_prompts(prompts)
-    with open(a.out, "w") as f:
-        for prompt in kept.prompts:
-            f.write(json.dumps({"prompt": prompt}) + "\n")
+    kept = write_training_prompts(a.out, prompts)
     print(f"{len(kept.prompts)} prompts ({min(len(paras), a.num_docs)} of {len(paras)} documentation paragraphs, "
           f"{min(len(words), a.num_words)} of {len(words)} common words; {kept.num_excluded_eval} evaluation prompts "
           f"and {kept.num_duplicates} duplicates dropped) -> {a.out}")

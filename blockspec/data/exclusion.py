@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from blockspec.data.eval_prompts import EVAL_SETS, load_eval_items
 
@@ -48,3 +50,14 @@ def filter_prompts(prompts: list[str], exclude_eval: bool = True, dedupe: bool =
             seen.add(h)
             kept.append(p)
     return Filtered(kept, excluded, duplicates)
+
+
+def write_training_prompts(path: str | Path, prompts: list[str], limit: int | None = None) -> Filtered:
+    """A prompt file for drafter data: evaluation prompts and duplicates dropped (filter_prompts), then the first
+    `limit` kept prompts written as JSONL lines {"prompt": ...}, the format every prompt reader here takes. Returns
+    the filter's result (all kept prompts, not only those written)."""
+    kept = filter_prompts(prompts)
+    with open(path, "w") as f:
+        for prompt in kept.prompts[:limit]:
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+    return kept

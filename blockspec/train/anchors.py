@@ -59,5 +59,11 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, gen: torch.Generat
     return pool
 
 
+def response_starts(loss_mask: torch.Tensor) -> list[int]:
+    """First position of every response segment (where verification of that response starts)."""
+    prev = torch.cat([torch.zeros(1, dtype=torch.bool), loss_mask[:-1]])
+    return torch.nonzero(loss_mask & ~prev).flatten().tolist()
+
+
 def num_anchors_of(loss_mask: torch.Tensor, num_anchors: int) -> int:
     return min(num_anchors, len(eligible_anchors(loss_mask)))

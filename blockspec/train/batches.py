@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.data.shards import TokenSequence
-from blockspec.train.anchors import sample_anchors
-from blockspec.train.walk import response_starts
+from blockspec.train.anchors import response_starts, sample_anchors
 
 TILE = 128  # FlexAttention's sparse block: padded lengths are multiples of it
 
@@ -140,6 +139,6 @@ def _pad(mb: MicroBatch, cap: Capacity, mask_token_id: int) -> MicroBatch:
     return MicroBatch(
         ext(mb.input_ids, pt, 0), ext(mb.positions, pt, 0), ext(mb.seq_ids, pt, -1 - torch.arange(T, T + pt)),
         mb.seq_lens, ext(mb.block_ids, pq, mask_token_id), ext(mb.block_pos, pq, 0), ext(mb.block_seq, pq, -1),
-        ext(mb.block_anchor, pq, 0), ext(mb.block_start, pq, False), ext(mb.labels, pq, 0), ext(mb.weights, pq, 0.0), mb.loss_rows, mb.blocks_per_seq,
-        mb.num_tokens, mb.num_blocks,
+        ext(mb.block_anchor, pq, 0), ext(mb.block_start, pq, False), ext(mb.labels, pq, 0), ext(mb.weights, pq, 0.0),
+        mb.loss_rows, mb.blocks_per_seq, mb.num_tokens, mb.num_blocks,
     )

@@ -78,8 +78,6 @@ class TrainingForward:
         if self.walk_weight > 0:
             # the blocks verification would visit on this text weigh 1 + walk_weight: the engine's tau is the mean
             # acceptance over exactly those (train/walk.py), which start right after a draft the drafter got wrong
-            first = slice(0, n * B, B)
-            visited = visited_blocks(mb.block_anchor[first], mb.block_seq[first], per_block.long(),
-                                     mb.block_start[first], mb.seq_ids, mb.positions, self.cap.tokens)
+            visited = visited_blocks(mb, per_block.long(), B, self.cap.tokens)
             losses = losses * (1.0 + self.walk_weight * visited[mb.loss_rows // B].float())
         return ForwardResult(losses.sum(), hits, mb.loss_rows % B, per_block.sum(), per_block)

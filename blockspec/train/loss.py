@@ -2,8 +2,9 @@
 
 Logits of 512 anchors x 16 slots x a 50k-150k vocabulary are gigabytes per sequence, so rows go through the lm_head
 a chunk at a time and the gradient with respect to the hidden rows is formed right there (softmax - onehot, through
-compute_logits' multiplier and softcap, back through the lm_head), leaving only [rows, H] for the backward pass. The loss comes out per row, so a caller may weigh rows by what the
-forward itself found (their gradient rows are scaled by the same factors in backward).
+compute_logits' multiplier and softcap, back through the lm_head), leaving only [rows, H] for the backward pass.
+The loss comes out per row, so a caller may weigh rows by what the forward itself found (backward scales their
+gradient rows by the same factors).
 The lm_head is frozen, so no weight gradient is needed. On CUDA the chunk function is compiled (fused softmax, no fp32
 logits in memory) and chunks are padded to one size so it compiles once."""
 

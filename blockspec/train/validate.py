@@ -16,7 +16,7 @@ from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import TrainingSet
 from blockspec.train.forward import TrainingForward
 from blockspec.train.metrics import Window
-from blockspec.train.walk import response_starts, walk
+from blockspec.train.walk import visited_blocks
 
 
 def split_validation(data: TrainingSet, fraction: float, seed: int) -> tuple[TrainingSet, TrainingSet | None]:
@@ -43,18 +43,17 @@ def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainCo
     B, device = cap.block_size, fwd.device
     plan = plan_epoch([len(s.input_ids) for s in val.seqs], val.anchors, cap, generator(cfg.seed, 4))
     window = Window(B, device)
-    steps: list[int] = []
+    walk_tokens = walk_steps = torch.zeros((), device=device)
     for j, ids in enumerate(plan):
         mb = build_micro_batch([val.seqs[i] for i in ids], cap, cfg.num_anchors, mask_token_id, slot_w,
                                generator(cfg.seed, 5, j))
         window.weight += float(mb.weights.sum())  # on the host, before the copy
-        anchors = mb.block_anchor.view(-1, B)[: mb.num_blocks, 0].tolist()
-        r = fwd(mb.to(device))
+        mb = mb.to(device)
+        r = fwd(mb)
         window.add(r, mb)
-        accepted, k = r.block_accepted.long().tolist(), 0
-        for i, n in zip(ids, mb.blocks_per_seq):
-            steps += walk(anchors[k:k + n], accepted[k:k + n], response_starts(val.seqs[i].loss_mask))
-            k += n
+        visited = visited_blocks(mb, r.block_accepted.long(), B, cap.tokens).float()
+        walk_tokens = walk_tokens + ((r.block_accepted + 1) * visited).sum()
+        walk_steps = walk_steps + visited.sum()
     s = window.summary()
     return ({k: s[k] for k in ("loss", "acc", "acc_mean", "tau")}
-            | {"walk_tau": sum(steps) / max(len(steps), 1), "sequences": len(val.seqs)})
+            | {"walk_tau": walk_tokens.item() / max(walk_steps.item(), 1.0), "sequences": len(val.seqs)})
