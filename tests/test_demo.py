@@ -40,3 +40,25 @@ def test_demo_without_the_drafter(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "the bundled SmolLM2-135M-Instruct DFlash drafter is not available" in captured.err
     assert re.search(r"plain decoding: [\d.]+ tok/s overall", captured.out)
+
+
+def test_the_bundled_drafter_is_lossless_and_accepted():
+    """The shipped drafter itself (z-lab format, loaded as-is) on the bundled target, fp32 CPU: greedy speculative
+    output equals plain decoding token for token, and it is a trained drafter (a random one accepts nothing)."""
+    from blockspec.config import SpeculativeConfig
+    from blockspec.llm import LLM
+    from blockspec.loading.draft_loader import load_draft
+    from blockspec.loading.loader import load_model
+    from blockspec.sampling import SamplingParams
+
+    lm = load_model(None, device="cpu")
+    path = bundled_draft.bundled_draft_path()
+    draft = load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=15), lm)
+    assert draft.config.block_size == 16 and draft.spec.target_layer_ids == [1, 8, 14, 20, 27]
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPTS[0]}])
+    params = SamplingParams(max_tokens=48)
+    plain = LLM.from_loaded(lm, None, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
+    spec = LLM.from_loaded(lm, draft, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
+    assert spec.token_ids == plain.token_ids
+    acc = spec.acceptance_lengths
+    assert sum(acc) / len(acc) > 1.5, acc
