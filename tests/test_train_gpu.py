@@ -100,3 +100,26 @@ def test_cuda_training_loop_evaluates_and_exports(tmp_path):
     assert report["val"]["walk_tau"] >= 1.0
     draft = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "out")), lm)
     assert draft.model.fc.weight.dtype == torch.bfloat16 and draft.spec.target_layer_ids == [0, 2]
+
+
+def test_compiled_draft_pass_matches_the_eager_one_on_cuda(tmp_path):
+    """--compile-draft: the draft layers under inductor around the compiled FlexAttention give the eager pass's loss
+    and gradients, and later micro-batches reuse the graphs."""
+    import torch._dynamo.config as dcfg
+
+    lm, draft = _setup(tmp_path)
+    cap, mbs = _batches(3, pad=True, seed=2)
+    eager = TrainingForward(lm.model, draft, [0, 2], cap, "flex", compiled=True)
+    fused = TrainingForward(lm.model, draft, [0, 2], cap, "flex", compiled=True, draft_backend="inductor")
+    try:
+        for i, mb in enumerate(mbs):
+            le, ge, _ = _loss_and_grads(eager, mb, draft)
+            lf, gf, _ = _loss_and_grads(fused, mb, draft)
+            assert abs(lf - le) <= 0.005 * abs(le), (lf, le)
+            for name in ge:
+                cos = torch.nn.functional.cosine_similarity(gf[name].flatten(), ge[name].flatten(), dim=0)
+                assert cos > 0.999, (name, cos.item())
+            if i == 0:
+                dcfg.error_on_recompile = True
+    finally:
+        dcfg.error_on_recompile = False

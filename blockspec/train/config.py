@@ -37,6 +37,7 @@ class TrainConfig:
     attention: str = "auto"  # flex | sdpa | auto (flex on CUDA, sdpa on CPU)
     val_fraction: float = 0.0  # sequences held out of training, scored at every evaluation (train/validate.py)
     walk_weight: float = 0.0  # extra loss weight of the blocks a verification walk visits (train/walk.py); 0: off
+    compile_draft: bool = False  # CUDA: the draft layers under torch.compile (train/compiled_draft.py); experimental
 
     def __post_init__(self) -> None:
         positive = ("num_anchors", "epochs", "grad_accum", "batch_anchors", "max_seq_len", "save_every",

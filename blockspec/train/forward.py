@@ -15,6 +15,7 @@ from torch import nn
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.train.attention import BlockTrainingAttention, FlexState, PackedCausalAttention
 from blockspec.train.batches import Capacity, MicroBatch
+from blockspec.train.compiled_draft import CompiledDraftPass
 from blockspec.train.loss import BlockLoss
 from blockspec.train.walk import visited_blocks
 
@@ -30,10 +31,11 @@ class ForwardResult:
 
 class TrainingForward:
     """target: the loaded target module (frozen here); draft: the model being trained. attention "flex" needs a
-    padded capacity (Capacity.pad) and CUDA for speed; "sdpa" is exact, one sequence at a time."""
+    padded capacity (Capacity.pad) and CUDA for speed; "sdpa" is exact, one sequence at a time. draft_backend: run
+    the draft layers under torch.compile with this backend (train/compiled_draft.py); None: eager."""
 
     def __init__(self, target: nn.Module, draft: DFlashDraftModel, tap_layers: list[int], cap: Capacity,
-                 attention: str, compiled: bool, walk_weight: float = 0.0) -> None:
+                 attention: str, compiled: bool, walk_weight: float = 0.0, draft_backend: str | None = None) -> None:
         self.target, self.draft, self.tap_layers, self.cap = target, draft, tap_layers, cap
         self.walk_weight = walk_weight
         target.requires_grad_(False)
@@ -45,6 +47,7 @@ class TrainingForward:
         kinds = sorted({(c, w) for c, w in zip(cfg.layer_causal, cfg.layer_window)}, key=str)
         self.flex = FlexState(cap, kinds, self.device, compiled=compiled) if attention == "flex" else None
         self.loss = BlockLoss(cfg, target.lm_head.weight, compiled=compiled)
+        self.draft_pass = CompiledDraftPass(draft, draft_backend) if draft_backend else draft
 
     @torch.no_grad()
     def taps(self, mb: MicroBatch, block_mask=None) -> torch.Tensor:
@@ -63,7 +66,7 @@ class TrainingForward:
                 # RMSNorm takes a forward-only kernel when they match)
                 embeds = self.target.embed_tokens(mb.block_ids).to(self.dtype)
             attn = BlockTrainingAttention(mb, ctx_kv, self.cap.block_size, self.dtype, self.flex, block_masks)
-            return self.draft(embeds, mb.block_pos, attn)
+            return self.draft_pass(embeds, mb.block_pos, attn)
 
     def __call__(self, mb: MicroBatch) -> ForwardResult:
         target_mask, draft_masks = self.flex.load(mb) if self.flex is not None else (None, None)

@@ -85,8 +85,9 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         progress = ckpt["progress"]
-    fwd = TrainingForward(lm.model, model, setup.tap_layers, cap, attention, compiled=device.type == "cuda",
-                          walk_weight=cfg.walk_weight)
+    cuda = device.type == "cuda"
+    fwd = TrainingForward(lm.model, model, setup.tap_layers, cap, attention, compiled=cuda, walk_weight=cfg.walk_weight,
+                          draft_backend="inductor" if cfg.compile_draft and cuda else None)
     w_slot = slot_weights(B, cfg.loss_gamma or default_gamma(B))
     params = [p for p in model.parameters() if p.requires_grad]
     window = Window(B, device)
