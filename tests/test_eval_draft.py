@@ -78,17 +78,19 @@ def test_eval_draft_json_matches_reference_loop(pair_dirs, tmp_path, capsys):
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir)), lm)
     k = draft.spec.num_draft_tokens
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    lens, accepted, tokens = [], [], 0
+    lens, accepted, tokens, per_prompt = [], [], 0, []
     for text in load_eval_prompts("mtbench", LIMIT):
         ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         ref = spec_generate(lm, draft, ids, params)
         assert ref.token_ids == generate(lm, ids, params).token_ids
         lens += ref.acceptance_lengths
+        per_prompt.append(sum(ref.acceptance_lengths) / len(ref.acceptance_lengths))
         accepted += [s["num_accepted"] for s in ref.steps]
         tokens += len(ref.token_ids)
     assert report["num_draft_tokens"] == k and report["num_verify_steps"] == len(lens)
     assert report["generated_tokens"] == report["baseline_generated_tokens"] == tokens
     assert report["mean_acceptance_length"] == pytest.approx(sum(lens) / len(lens))
+    assert report["per_prompt_acceptance"] == pytest.approx(per_prompt, abs=1e-4)
     assert report["per_position_acceptance"] == pytest.approx([sum(a >= i for a in accepted) / len(accepted)
                                                                for i in range(1, k + 1)])
     counts = Counter(lens)
