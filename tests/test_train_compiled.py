@@ -1,9 +1,11 @@
 """The training draft pass under torch.compile (train/compiled_draft.py) on CPU: same loss and gradients as the eager
 pass, the attention really runs outside the graph (a new attention object per micro-batch recompiles nothing), and
-the holder lets go of the micro-batch's K/V. Backend aot_eager: dynamo's graphs and autograd without code generation
-(the inductor kernels are compared on the GPU in tests/test_train_gpu.py)."""
+the holder lets go of the micro-batch's K/V. Backend aot_eager: dynamo's graphs and autograd without code generation;
+inductor: the generated CPU code too (needs a C++ compiler; the CUDA kernels are compared in tests/test_train_gpu.py)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -23,7 +25,12 @@ def _loss_and_grads(fwd: TrainingForward, mb, draft) -> tuple[float, dict[str, t
     return float(r.loss_sum.detach()), {n: p.grad.detach().clone() for n, p in draft.named_parameters()}
 
 
-def test_compiled_draft_pass_equals_eager_and_does_not_recompile(tmp_path):
+@pytest.mark.parametrize("backend", [
+    "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                                      reason="inductor's CPU code needs a C++ compiler")),
+])
+def test_compiled_draft_pass_equals_eager_and_does_not_recompile(tmp_path, backend):
     import torch._dynamo.config as dcfg
     from torch._dynamo.utils import counters
 
@@ -37,7 +44,7 @@ def test_compiled_draft_pass_equals_eager_and_does_not_recompile(tmp_path):
     seqs = random_sequences(18, torch.Generator().manual_seed(4), min_len=20, max_len=60)
     mbs = [build_micro_batch(seqs[6 * i:6 * i + 6], cap, 8, MASK, slot_weights(8, 4.0), generator(i)) for i in range(3)]
     eager = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
-    compiled = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, draft_backend="aot_eager")
+    compiled = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, draft_backend=backend)
     assert isinstance(compiled.draft_pass, CompiledDraftPass)
     try:
         for i, mb in enumerate(mbs):
