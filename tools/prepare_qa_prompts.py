@@ -65,7 +65,9 @@ Builder = Callable[[dict, random.Random], str | None]
 
 
 def _open_question(r: dict, rng: random.Random) -> str | None:
-    return rng.choice(QUESTION).format(q=_question(r["question"]), p=rng.choice(PERSONAS)) if r.get("question") else None
+    if not r.get("question"):
+        return None
+    return rng.choice(QUESTION).format(q=_question(r["question"]), p=rng.choice(PERSONAS))
 
 
 def _choice(r: dict, rng: random.Random) -> str | None:
