@@ -2,7 +2,7 @@
 # How the bundled SmolLM2-135M-Instruct DFlash drafter is made, on one H200, from the repository root.
 #   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf PROMPTS="chat_code.jsonl math.jsonl" OUT=results/ \
 #     tools/train_bundled_drafter.sh
-# PROMPTS: one or more JSONL files from tools/prepare_prompts.py, prepare_math_prompts.py, prepare_code_stubs.py; each
+# PROMPTS: one or more JSONL files from tools/prepare_{prompts,math_prompts,code_stubs,prose_prompts,qa_prompts}.py; each
 # becomes its own data directory (WORK/data-<name>) and training uses them all. Every stage resumes: run the script
 # again after a time limit and it continues (data chunks already generated are kept; training resumes from
 # WORK/run/checkpoint.pt). The drafter was trained in stages, each continuing the previous one (docs/training.md):
