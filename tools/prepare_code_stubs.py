@@ -53,8 +53,7 @@ def main() -> None:
     random.Random(a.seed).shuffle(fresh)
     kept = write_training_prompts(a.out, fresh, a.num)
     print(f"{min(a.num, len(kept.prompts))} prompts of {len(kept.prompts)} new stubs ({len(found)} found, "
-          f"{len(found) - len(fresh)} already used, {kept.num_excluded_eval} evaluation prompts and "
-          f"{kept.num_duplicates} duplicates dropped) -> {a.out}")
+          f"{len(found) - len(fresh)} already used, {kept.dropped()}) -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main() -> None:
     rng.shuffle(prompts)
     kept = write_training_prompts(a.out, prompts, a.num)
     print(f"wrote {min(a.num, len(kept.prompts))} prompts ({len(GENERATORS)} generators; "
-          f"{kept.num_excluded_eval} evaluation prompts dropped) to {a.out}")
+          f"{kept.dropped()}) to {a.out}")
 
 
 if __name__ == "__main__":

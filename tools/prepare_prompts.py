@@ -49,8 +49,7 @@ def main() -> None:
     rng.shuffle(prompts)
     kept = write_training_prompts(a.out, prompts)
     print(f"{len(kept.prompts)} prompts ({min(len(chat), a.num_sharegpt)} ShareGPT of {len(chat)}, "
-          f"{min(len(code), a.num_code)} code; {kept.num_excluded_eval} evaluation prompts and {kept.num_duplicates} "
-          f"duplicates dropped) -> {a.out}")
+          f"{min(len(code), a.num_code)} code; {kept.dropped()}) -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -96,8 +96,7 @@ def main() -> None:
     rng.shuffle(prompts)
     kept = write_training_prompts(a.out, prompts)
     print(f"{len(kept.prompts)} prompts ({min(len(paras), a.num_docs)} of {len(paras)} documentation paragraphs, "
-          f"{min(len(words), a.num_words)} of {len(words)} common words; {kept.num_excluded_eval} evaluation prompts "
-          f"and {kept.num_duplicates} duplicates dropped) -> {a.out}")
+          f"{min(len(words), a.num_words)} of {len(words)} common words; {kept.dropped()}) -> {a.out}")
 
 
 if __name__ == "__main__":

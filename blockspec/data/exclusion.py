@@ -34,6 +34,10 @@ class Filtered:
     num_excluded_eval: int  # matched an evaluation prompt
     num_duplicates: int  # repeated an earlier kept prompt (same normalized text)
 
+    def dropped(self) -> str:
+        """What the filter removed, for a summary line."""
+        return f"{self.num_excluded_eval} evaluation prompts and {self.num_duplicates} duplicates dropped"
+
 
 def filter_prompts(prompts: list[str], exclude_eval: bool = True, dedupe: bool = True) -> Filtered:
     banned = eval_hashes() if exclude_eval else frozenset()
