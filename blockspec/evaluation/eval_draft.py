@@ -35,8 +35,9 @@ class DraftEvalReport:
     # greedy only: {"prompt": i, "first_divergence": token index} of each prompt whose outputs differ (in bf16 a
     # near-tie token can flip between verify rows and decode rows; in fp32 this list is empty)
     differing_outputs: list[dict[str, int]] | None = None
-    # [num_prompts] tau of each prompt in input order (where a drafter is weak: e.g. MT-Bench per category)
-    per_prompt_acceptance: list[float] | None = None
+    # [num_prompts] tau of each prompt in input order (where a drafter is weak: e.g. MT-Bench per category); None
+    # for a prompt that had no verify step
+    per_prompt_acceptance: list[float | None] | None = None
 
 
 def divergences(spec: list[list[int]], plain: list[list[int]]) -> list[dict[str, int]]:
@@ -87,5 +88,5 @@ def evaluate_draft(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]]
         baseline_generated_tokens=n_plain, baseline_time_s=plain_s, baseline_tokens_per_second=base_tps,
         speedup=tps / base_tps,
         outputs_identical=not differ if differ is not None else None, differing_outputs=differ,
-        per_prompt_acceptance=[round(sum(o.acceptance_lengths) / max(1, len(o.acceptance_lengths)), 4) for o in spec],
+        per_prompt_acceptance=[round(sum(a) / len(a), 4) if (a := o.acceptance_lengths) else None for o in spec],
     )
