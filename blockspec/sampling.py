@@ -119,7 +119,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tenso
     `positions` [N] are the positions of the tokens being sampled. Rows go `chunk` at a time: the noise and the
     processed distribution are [rows, V] temporaries (a 1024-row verify batch over a 152k vocabulary would need
     several GB at once)."""
-    greedy = logits.argmax(dim=-1)
+    greedy = logits.max(dim=-1).indices  # = argmax (the first maximum on ties), about 3x faster on CPU
     if rows.all_greedy:
         return greedy
     drawn = []

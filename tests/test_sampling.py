@@ -263,6 +263,19 @@ def test_sample_one_hot_and_greedy():
     assert torch.equal(sample(logits, SamplingParams(temperature=3.0, top_p=1e-6), 0, pos), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_maximum_on_ties(dtype):
+    """Greedy rows use max().indices (faster than argmax on CPU): on ties it must return the first maximum, as
+    argmax does, alone and next to sampled rows."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0], [1.0, 2.0, 7.0, 7.0]], dtype=dtype)
+    pos = torch.arange(3)
+    assert sample(logits, SamplingParams(), 0, pos).tolist() == [1, 0, 2] == logits.argmax(-1).tolist()
+    rows = SamplingRows.build([SamplingParams(), SamplingParams(temperature=1.0), SamplingParams()], [0, 1, 2],
+                              logits.device, 4)
+    picked = sample_rows(logits, rows, pos)
+    assert picked[0] == 1 and picked[2] == 2
+
+
 # --------------------------------------------------------------------------------------------------------------
 # end to end: seeded generation on a tiny random HF llama
 
