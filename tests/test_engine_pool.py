@@ -47,6 +47,12 @@ def test_pool_bytes_per_token_formula(tiny):
     assert KVPool.bytes_per_token(ts, None, torch.float16) == 2 * 36 * 8 * 128 * 2
     bf = KVPool(3, 16, CacheShape(2, 2, 8), CacheShape(1, 2, 16), torch.bfloat16, torch.device("cpu"))
     assert bf.nbytes() == 3 * 16 * KVPool.bytes_per_token(bf.target_shape, bf.draft_shape, torch.bfloat16)
+    # a bf16 draft context under an fp32 target (cpu_bf16_draft): each part at its own element size
+    assert KVPool.bytes_per_token(ts, ds, torch.float32, torch.bfloat16) == 2 * (36 * 8 * 128 * 4 + 5 * 8 * 128 * 2)
+    mixed = KVPool(3, 16, CacheShape(2, 2, 8), CacheShape(1, 2, 16), torch.float32, torch.device("cpu"), torch.bfloat16)
+    assert mixed.k.dtype == torch.float32 and mixed.draft_k.dtype == mixed.draft_v.dtype == torch.bfloat16
+    assert mixed.nbytes() == 3 * 16 * KVPool.bytes_per_token(mixed.target_shape, mixed.draft_shape, torch.float32,
+                                                             torch.bfloat16)
 
 
 def _engine_tensor_bytes(engine) -> int:

@@ -21,8 +21,10 @@ class CacheShape:
 class KVPool:
     def __init__(
         self, num_blocks: int, block_size: int, target: CacheShape, draft: CacheShape | None,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, draft_dtype: torch.dtype | None = None,
     ) -> None:
+        """dtype: the target's K/V; draft_dtype: the draft context's (None: dtype), which differs when the drafter
+        runs in another precision than the target (SpeculativeConfig.cpu_bf16_draft)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.target_shape, self.draft_shape = target, draft
         # [layers, num_blocks * block_size, kv_heads, head_dim]: slots flattened, pages are views of block_size rows
@@ -30,18 +32,21 @@ class KVPool:
         self.k = torch.zeros(target.num_layers, slots, target.num_kv_heads, target.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         if draft is not None:
-            self.draft_k = torch.zeros(draft.num_layers, slots, draft.num_kv_heads, draft.head_dim, dtype=dtype, device=device)
+            self.draft_k = torch.zeros(draft.num_layers, slots, draft.num_kv_heads, draft.head_dim,
+                                       dtype=draft_dtype or dtype, device=device)
             self.draft_v = torch.zeros_like(self.draft_k)
         else:
             self.draft_k = self.draft_v = None
 
     @staticmethod
-    def bytes_per_token(target: CacheShape, draft: CacheShape | None, dtype: torch.dtype) -> int:
+    def bytes_per_token(target: CacheShape, draft: CacheShape | None, dtype: torch.dtype,
+                        draft_dtype: torch.dtype | None = None) -> int:
         """2 (K and V) x sum over models of layers x kv_heads x head_dim x element size."""
-        elems = target.num_layers * target.num_kv_heads * target.head_dim
+        size = lambda t: torch.empty((), dtype=t).element_size()  # noqa: E731
+        total = target.num_layers * target.num_kv_heads * target.head_dim * size(dtype)
         if draft is not None:
-            elems += draft.num_layers * draft.num_kv_heads * draft.head_dim
-        return 2 * elems * torch.empty((), dtype=dtype).element_size()
+            total += draft.num_layers * draft.num_kv_heads * draft.head_dim * size(draft_dtype or dtype)
+        return 2 * total
 
     def nbytes(self) -> int:
         tensors = [self.k, self.v] + ([self.draft_k, self.draft_v] if self.draft_k is not None else [])
