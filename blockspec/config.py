@@ -20,6 +20,14 @@ class SpeculativeConfig:
     # draft every block with the drafter's trained block size and verify the first K drafts: with K + 1 below the
     # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step
     full_block_drafting: bool = False
+    # CPU only: run the drafter, and its pass over the target's lm_head, in bf16 on weights packed once for oneDNN
+    # (blockspec/layers/cpu_packed.py). The target still verifies every draft in its own dtype: outputs are those of
+    # plain decoding; only the drafts (acceptance) may differ.
+    cpu_bf16_draft: bool = False
+    # argmax drafts over token ids < N only (a smaller draft head: BPE ids are roughly frequency-ordered, so the
+    # first ids cover most output tokens). Lossless: the target still verifies; drafts of ids >= N are never made.
+    # None: the whole vocabulary. Argmax drafting only.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "dflash":
@@ -32,6 +40,15 @@ class SpeculativeConfig:
             not self.target_layer_ids or any(not isinstance(i, int) or i < 0 for i in self.target_layer_ids)
         ):
             raise ConfigError(f"target_layer_ids={self.target_layer_ids!r} must be a non-empty list of layer ids >= 0")
+        if self.draft_vocab_size is not None:
+            n = self.draft_vocab_size
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"draft_vocab_size={n!r} must be an integer >= 1 (or None: the whole vocabulary)")
+            if self.probabilistic_drafting:
+                # sampled drafts come from the draft distribution over the whole vocabulary (compute_logits); the
+                # smaller head only serves argmax drafts
+                raise ConfigError(f"draft_vocab_size={n} works with argmax drafting only, not with "
+                                  f"probabilistic_drafting")
 
 
 @dataclass
@@ -76,6 +93,10 @@ def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConf
             f"{source}: target_layer_ids={ids} contains {bad[0]}, but the target has only "
             f"{target.num_hidden_layers} layers (ids are 0-based)"
         )
+    n = spec.draft_vocab_size
+    if n is not None and not 1 <= n <= target.vocab_size:
+        raise ConfigError(f"draft_vocab_size={n} is out of range: the target's vocabulary allows "
+                          f"1..{target.vocab_size}")
     if not 0 <= mask < target.vocab_size:
         raise ConfigError(f"{source}: mask_token_id={mask} is outside the target vocabulary [0, {target.vocab_size})")
     if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:

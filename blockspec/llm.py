@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.llm_engine import LLMEngine, RequestOutput
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, ConfigError
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
 
@@ -21,6 +21,9 @@ class LLM:
         config = EngineConfig(**engine_config)
         self.tp = None
         if config.tensor_parallel_size > 1:  # this process becomes rank 0 of N (docs/tensor-parallel.md)
+            if speculative_config is not None and speculative_config.cpu_bf16_draft:
+                raise ConfigError("cpu_bf16_draft=True is not supported with tensor_parallel_size > 1 (the packed "
+                                  "bf16 drafter cannot be sharded)")
             from blockspec.distributed.launch import TensorParallelSession
             from blockspec.distributed.worker import ModelSpec
 

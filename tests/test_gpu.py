@@ -132,6 +132,29 @@ def test_cuda_full_block_drafting_graph_equals_eager_and_cpu():
     assert graph == eager == cpu
 
 
+def test_cuda_draft_vocab_graph_equals_eager_and_cpu():
+    # argmax drafts over token ids < 30 (a static view of the head's first rows, made before capture): captured,
+    # eager and CPU runs agree in fp32, and the CPU run emits the plain tokens (CYCLE_B's ids are never drafted)
+    import copy
+    import dataclasses
+
+    from trained_pair import trained_pair
+
+    def limited(lm, d):
+        model = copy.deepcopy(d.model)
+        model.set_draft_vocab(lm.model.lm_head, 30)
+        return dataclasses.replace(d, model=model)
+
+    pair = trained_pair()
+    cpu, _ = _run(pair.lm, limited(pair.lm, pair.draft))
+    assert [t for t, _ in cpu] == [t for t, _ in _run(pair.lm, None)[0]]
+    lm, draft = _on_cuda(pair, torch.float32)
+    graph, dec = _run(lm, limited(lm, draft))
+    assert dec.capture and dec.graphs
+    eager, _ = _run(lm, limited(lm, draft), enforce_eager=True)
+    assert graph == eager == cpu
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_draft_prologue_matches_unfused(dtype):
     """fuse_qkv: the drafter's block projection (one GEMM + Triton split/norm/rotary) and its context K/V give the

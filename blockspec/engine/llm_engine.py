@@ -50,7 +50,9 @@ class LLMEngine:
         if blocks is None:
             tokens = min(config.kv_cache_tokens, config.max_num_seqs * self.max_model_len)
             blocks = max(2, -(-tokens // config.block_size))
-        self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device)
+        # the draft context K/V in the drafter's own dtype (bf16 under an fp32 target with cpu_bf16_draft)
+        self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device,
+                           draft.model.dtype if draft is not None else None)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
         self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend,

@@ -196,11 +196,16 @@ class ModelRunner:
         hidden = self.draft.model(self.lm.model.embed_tokens(self._tensor(ids)), batch.positions,
                                   self.backend.draft(self.pool, batch))
         draft_rows = self._tensor([r for i, K in enumerate(ks) for r in range(qs[i] + 1, qs[i] + 1 + K)])
-        logits = self.draft.model.compute_logits(hidden[draft_rows], self.lm.model.lm_head)
-        chosen, off = logits.argmax(-1), 0  # argmax drafts for every block at once
+        logits = None
+        if spec.probabilistic_drafting:
+            logits = self.draft.model.compute_logits(hidden[draft_rows], self.lm.model.lm_head)
+            chosen = logits.max(-1).indices  # argmax drafts for every block at once (greedy requests keep them)
+        else:  # the argmax head (over token ids < draft_vocab_size when set), as in the decode step
+            chosen = self.draft.model.greedy_drafts(hidden[draft_rows], self.lm.model.lm_head)
+        off = 0
         for i, (seq, K) in enumerate(zip(seqs, ks)):
             seq.draft_probs = None
-            if spec.probabilistic_drafting and not seq.params.greedy:  # sampled drafts: per request
+            if logits is not None and not seq.params.greedy:  # sampled drafts: per request
                 rows = SamplingRows.build([seq.params] * K, [seq.seed] * K, self.device, self.vocab_size)
                 q = processed_probs_rows(logits[off:off + K], rows)
                 noise = rng.exponential(rows.seeds, batch.positions[qs[i] + 1:qs[i] + 1 + K], rng.STREAM_DRAFT,

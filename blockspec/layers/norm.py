@@ -6,6 +6,14 @@ from torch import nn
 from blockspec.layers import kernels
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, cast back to x's dtype, times `weight` (which may broadcast against x:
+    the CPU bf16 drafter normalizes the q and k heads of a block, each with its own weight, in one call)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -17,10 +25,7 @@ class RMSNorm(nn.Module):
             from blockspec.layers.triton_norm import rmsnorm
 
             return rmsnorm(x, self.weight, self.eps)
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add fused with the norm after it: (norm(residual + x), residual + x)."""

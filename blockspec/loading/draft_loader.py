@@ -8,6 +8,7 @@ import torch
 
 from blockspec.config import ResolvedSpec, SpeculativeConfig, resolve_spec
 from blockspec.errors import ModelLoadError
+from blockspec.layers import cpu_packed
 from blockspec.loading.loader import LoadedModel
 from blockspec.loading.source import resolve_source
 from blockspec.loading.weights import load_weights
@@ -32,8 +33,24 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     cfg.validate_block_size()
     resolved = resolve_spec(spec, cfg, target.config, where)
     param = next(target.model.parameters())
+    if spec.cpu_bf16_draft:
+        _check_cpu_bf16(param.device)
     with torch.device("meta"):
         model = DFlashDraftModel(cfg, num_taps=len(resolved.target_layer_ids))
     model = model.to_empty(device=param.device).to(param.dtype)
     load_weights(model, source.tensors(), where, prefix="")
+    lm_head = target.model.lm_head
+    if spec.cpu_bf16_draft:
+        model.pack_cpu_bf16(lm_head, rows_hint=resolved.draft_rows(resolved.num_draft_tokens),
+                            vocab=spec.draft_vocab_size)
+    elif spec.draft_vocab_size is not None:
+        model.set_draft_vocab(lm_head, spec.draft_vocab_size)
     return LoadedDraft(model.eval(), cfg, resolved)
+
+
+def _check_cpu_bf16(device: torch.device) -> None:
+    if device.type != "cpu":
+        raise ModelLoadError(f"cpu_bf16_draft=True needs the target on the CPU, but it is on {device}")
+    if not cpu_packed.supported(device):
+        raise ModelLoadError("cpu_bf16_draft=True needs a CPU with oneDNN bf16 kernels (AVX512-BF16 or AMX); this "
+                             "one has none: leave cpu_bf16_draft off")

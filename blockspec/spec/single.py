@@ -38,7 +38,8 @@ class DFlashSession:
         cap = len(prompt_ids) + self.max_new + self.K + 1
         self.kv = DenseKVCache.allocate(cfg.num_hidden_layers, cap, cfg.num_key_value_heads, cfg.head_dim, param.dtype, self.device)
         d = draft.config
-        self.ctx = DenseKVCache.allocate(d.num_hidden_layers, cap, d.num_key_value_heads, d.head_dim, param.dtype, self.device)
+        self.ctx = DenseKVCache.allocate(d.num_hidden_layers, cap, d.num_key_value_heads, d.head_dim,
+                                         draft.model.dtype, self.device)  # the drafter's dtype, maybe not the target's
         self.seed = params.resolve_seed()
         self.stats = SpecStats(self.K)
         self.steps: list[dict] = []
@@ -62,14 +63,14 @@ class DFlashSession:
         positions = torch.arange(start, start + rows, device=self.device)
         embeds = self.lm.model.embed_tokens(ids)
         hidden = self.draft.model(embeds, positions, DenseDraftAttention(self.ctx, start, positions))
-        logits = self.draft.model.compute_logits(hidden[1:self.K + 1], self.lm.model.lm_head)
         self.stats.num_draft_passes += 1
         p = self.params
         if spec.probabilistic_drafting and not p.greedy:
+            logits = self.draft.model.compute_logits(hidden[1:self.K + 1], self.lm.model.lm_head)
             q = processed_probs(logits, p.temperature, p.top_k, p.top_p)
             noise = rng.exponential(self._seeds(self.K), positions[1:self.K + 1], rng.STREAM_DRAFT, q.shape[-1])
             return race(q, noise), q
-        return logits.argmax(dim=-1), None
+        return self.draft.model.greedy_drafts(hidden[1:self.K + 1], self.lm.model.lm_head), None
 
     def _verify(self, bonus: int, drafts: torch.Tensor, q: torch.Tensor | None,
                 start: int) -> tuple[torch.Tensor, int, torch.Tensor]:

@@ -1,0 +1,182 @@
+"""The CPU bf16 drafter (SpeculativeConfig.cpu_bf16_draft): oneDNN-packed bf16 linears equal F.linear in bf16; the
+packed drafter computes what the unpacked one does, within bf16 rounding, and keeps no unused weights; with an
+fp32 target, engine and single-request speculative decoding stay token-identical to plain fp32 greedy decoding and
+a trained drafter is still accepted; bad set-ups fail with an error that names the flag."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.attention.torch_ref import attend
+from blockspec.config import SpeculativeConfig
+from blockspec.errors import ConfigError, ModelLoadError
+from blockspec.generate import generate
+from blockspec.layers import cpu_packed
+from blockspec.layers.cpu_packed import PackedLinearBF16, pack_linears
+from blockspec.llm import LLM
+from blockspec.loading.draft_loader import LoadedDraft, load_draft
+from blockspec.loading.loader import load_model
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.sampling import SamplingParams
+from blockspec.spec.single import spec_generate
+from dflash_utils import make_zlab_draft
+from hf_utils import make_hf_model, save_hf_model
+from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair, with_k
+
+needs_bf16 = pytest.mark.skipif(not cpu_packed.supported(torch.device("cpu")),
+                                reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
+
+
+def packed(draft: LoadedDraft, lm) -> LoadedDraft:
+    """A packed copy of `draft` (the shared models are left as they are)."""
+    model = copy.deepcopy(draft.model)
+    model.pack_cpu_bf16(lm.model.lm_head, draft.spec.draft_rows(draft.spec.num_draft_tokens))
+    return dataclasses.replace(draft, model=model)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """Within `tol` of the reference's scale (bf16 keeps 8 mantissa bits)."""
+    return a.shape == b.shape and float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max())
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_in_bf16(bias):
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias)
+    p = PackedLinearBF16.from_linear(lin, rows_hint=16)
+    w = lin.weight.detach().bfloat16()
+    b = lin.bias.detach().bfloat16() if bias else None
+    for shape in [(1, 48), (3, 48), (16, 48), (37, 48), (2, 5, 48), (0, 48)]:  # any row count, any leading dims
+        x = torch.randn(*shape, generator=g)
+        y = p(x)  # fp32 input: cast to bf16 inside
+        ref = F.linear(x.bfloat16(), w, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 80)
+        torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    # pack_linears: every plain nn.Linear below a module, nested ones included; nothing else
+    m = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
+    x = torch.randn(5, 8, generator=g)
+    with torch.no_grad():
+        ref = m[1](m[0](x).bfloat16().float())
+        pack_linears(m)
+        assert [type(c).__name__ for c in (m[0], *m[1])] == ["PackedLinearBF16", "ReLU", "PackedLinearBF16"]
+        assert close(m(x), ref, 2e-2)
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_drafter_matches_the_unpacked_one(bias):
+    """Context k/v, the block forward and the logits of the packed model equal the fp32 model's within bf16
+    rounding; the q/k/v projections are gone (no unused packed copies), every other linear is packed once."""
+    pair = trained_pair()
+    cfg = dataclasses.replace(pair.draft.config, attention_bias=bias, num_hidden_layers=2,
+                              layer_causal=[False, False], layer_window=[None, None])
+    torch.manual_seed(0)
+    ref = DFlashDraftModel(cfg, num_taps=2).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # norms off 1, biases off 0
+    model = copy.deepcopy(ref)
+    head = pair.lm.model.lm_head
+    model.pack_cpu_bf16(head, rows_hint=8, vocab=40)
+    assert model.dtype == torch.bfloat16 and not any(type(m) is nn.Linear for m in model.modules())
+    for layer in model.layers:
+        assert layer.self_attn.q_proj is None and layer.self_attn.k_proj is None and layer.self_attn.v_proj is None
+    # per layer q|k|v, o_proj, gate_up, down; fc; all layers' context k|v; the whole head; the 40-row head
+    assert sum(isinstance(m, PackedLinearBF16) for m in model.modules()) == 4 * 2 + 4
+    g = torch.Generator().manual_seed(1)
+    H = cfg.hidden_size
+    taps, pos = torch.randn(9, 2 * H, generator=g), torch.arange(9)
+    with torch.inference_mode():
+        for (k, v), (rk, rv) in zip(model.context_kv(taps, pos), ref.context_kv(taps, pos)):
+            assert k.dtype == torch.bfloat16 and close(k, rk, 3e-2) and close(v, rv, 3e-2)
+
+        def attn(layer, q, k, v, scale, causal, window):  # the block sees itself only: enough to compare
+            return attend(q, k, v, torch.ones(q.shape[0], k.shape[0], dtype=torch.bool), scale)
+
+        embeds, bpos = torch.randn(8, H, generator=g), torch.arange(9, 17)
+        hidden, ref_hidden = model(embeds, bpos, attn), ref(embeds, bpos, attn)
+        assert hidden.dtype == torch.bfloat16 and close(hidden, ref_hidden, 5e-2)
+        logits = model.compute_logits(hidden, head)  # the packed whole head, not the 40-row one
+        assert logits.dtype == torch.float32 and logits.shape == (8, head.out_features)
+        assert close(logits, ref.compute_logits(ref_hidden, head), 5e-2)
+        drafts = model.greedy_drafts(hidden, head)
+        assert drafts.max() < 40 and torch.equal(drafts, model.draft_head(hidden)[:, :40].float().argmax(-1))
+
+
+@needs_bf16
+@pytest.mark.parametrize("k", [3, 7])
+def test_trained_drafter_in_bf16_is_lossless_and_accepted(k):
+    """fp32 target, bf16 drafter: single-request and engine outputs (decode step and varlen step) are exactly the
+    plain fp32 greedy ones, and the trained drafter's drafts are still accepted in long runs."""
+    pair = trained_pair()
+    lm, draft = pair.lm, packed(with_k(pair.draft, k), pair.lm)
+    prompts = [[14, 15, 16, 17], CYCLE_B[7:12], cycle_seq(CYCLE_A, 3, 30), [3, 50, 21, 7, 44, 12, 60]]
+    refs = [generate(lm, p, greedy(40)).token_ids for p in prompts]
+    for p, ref in zip(prompts[:2], refs):
+        out = spec_generate(lm, draft, p, greedy(40))
+        assert out.token_ids == ref
+        tau = sum(out.acceptance_lengths) / len(out.acceptance_lengths)
+        assert tau > (3.0 if k == 3 else 5.0), (k, tau, out.acceptance_lengths)  # as the fp32 drafter (3.9, 7.8)
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    pool = llm.engine.pool
+    assert pool.k.dtype == torch.float32 and pool.draft_k.dtype == pool.draft_v.dtype == torch.bfloat16
+    assert [o.token_ids for o in llm.generate(prompts, greedy(40), use_tqdm=False)] == refs
+    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    outs = varlen.generate(prompts, greedy(40), use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+    assert max(a for o in outs for a in o.acceptance_lengths) == k + 1
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A random tiny fp32 llama and the directory of a random 2-layer DFlash drafter for it (block 8)."""
+    root = tmp_path_factory.mktemp("bf16_tiny")
+    hf = make_hf_model("llama", seed=3, vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    save_hf_model(hf, root / "target")
+    make_zlab_draft(hf.config, root / "draft", layers=2, block_size=8, target_layer_ids=[0, 1], mask_token_id=127,
+                    seed=1)
+    return load_model(str(root / "target"), device="cpu", with_tokenizer=False), root / "draft"
+
+
+@needs_bf16
+def test_load_draft_packs_and_a_random_drafter_stays_lossless(tiny_pair):
+    """load_draft(cpu_bf16_draft=True) with an fp32 target: the engine and the single-request loop emit the plain
+    greedy tokens; the target is left in fp32."""
+    lm, draft_dir = tiny_pair
+    draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=3, cpu_bf16_draft=True), lm)
+    assert draft.model.dtype == torch.bfloat16 and draft.model.draft_head is not None
+    assert draft.model.greedy_head is None
+    assert all(p.dtype == torch.float32 for p in lm.model.parameters())
+    prompts = [[5, 9, 2, 77, 31], list(range(40, 90))]
+    refs = [generate(lm, p, greedy(24)).token_ids for p in prompts]
+    assert [spec_generate(lm, draft, p, greedy(24)).token_ids for p in prompts] == refs
+    outs = LLM.from_loaded(lm, draft, max_num_seqs=2).generate(prompts, greedy(24), use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_cpu_bf16_draft_errors_name_the_flag(tiny_pair, monkeypatch):
+    lm, draft_dir = tiny_pair
+    spec = SpeculativeConfig(draft_model=str(draft_dir), cpu_bf16_draft=True)
+    on_meta = dataclasses.replace(lm, model=nn.Linear(1, 1, device="meta"))  # stands in for a GPU target
+    with pytest.raises(ModelLoadError, match=r"^cpu_bf16_draft=True needs the target on the CPU, but it is on meta$"):
+        load_draft(spec, on_meta)
+    monkeypatch.setattr(cpu_packed, "supported", lambda device: False)
+    with pytest.raises(ModelLoadError, match=r"^cpu_bf16_draft=True needs a CPU with oneDNN bf16 kernels "
+                                             r"\(AVX512-BF16 or AMX\); this one has none"):
+        load_draft(spec, lm)
+    # tensor parallelism shards the drafter's nn.Linear layers, which packing replaces: refused before a rank starts
+    with pytest.raises(ConfigError, match=r"^cpu_bf16_draft=True is not supported with tensor_parallel_size > 1"):
+        LLM(str(draft_dir.parent / "target"), spec, device="cpu", tensor_parallel_size=2)
