@@ -44,10 +44,20 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-block-drafting", action="store_true",
                    help="draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 "
                         "is below the block size and drafting is cheap next to verifying)")
+    add_draft_precision_args(p)
     p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
     from blockspec.distributed.cli import add_tp_arg
 
     add_tp_arg(p)
+
+
+def add_draft_precision_args(p: argparse.ArgumentParser) -> None:
+    """--cpu-bf16-draft and --draft-vocab-size: cheaper drafts, same outputs (shared by generate, serve, eval-draft)."""
+    p.add_argument("--cpu-bf16-draft", action="store_true",
+                   help="CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); "
+                        "the target still verifies every draft in its own dtype, so outputs do not change")
+    p.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                   help="argmax drafts over token ids < N only (a smaller draft head; outputs do not change)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -71,10 +81,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
                                              probabilistic_drafting=args.probabilistic_drafting,
-                                             full_block_drafting=args.full_block_drafting), lm)
-    elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace or args.full_block_drafting:
-        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting, --full-block-drafting and --trace need "
-                             "--draft")
+                                             full_block_drafting=args.full_block_drafting,
+                                             cpu_bf16_draft=args.cpu_bf16_draft,
+                                             draft_vocab_size=args.draft_vocab_size), lm)
+    elif (args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace or args.full_block_drafting
+          or args.cpu_bf16_draft or args.draft_vocab_size is not None):
+        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting, --full-block-drafting, --cpu-bf16-draft, "
+                             "--draft-vocab-size and --trace need --draft")
     tok = lm.tokenizer
     if args.prompts_file is not None:
         from blockspec.batch_cli import run_prompts_file

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.attention.torch_ref import attend
+from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import ConfigError, ModelLoadError
 from blockspec.generate import generate
@@ -165,6 +167,24 @@ def test_load_draft_packs_and_a_random_drafter_stays_lossless(tiny_pair):
     assert [spec_generate(lm, draft, p, greedy(24)).token_ids for p in prompts] == refs
     outs = LLM.from_loaded(lm, draft, max_num_seqs=2).generate(prompts, greedy(24), use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
+
+
+@needs_bf16
+def test_cli_generate_with_cpu_bf16_draft(tmp_path, capsys):
+    hf = make_hf_model("qwen3", seed=12)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
+    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for extra in (["--cpu-bf16-draft"], ["--cpu-bf16-draft", "--draft-vocab-size", "64"]):
+        assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "3", "--trace", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["token_ids"] == plain["token_ids"]
+        if "--draft-vocab-size" in extra:
+            assert all(t < 64 for s in out["steps"] for t in s["draft"])
+    assert main(base + ["--cpu-bf16-draft"]) == 2
+    assert "--cpu-bf16-draft, --draft-vocab-size and --trace need --draft" in capsys.readouterr().err
 
 
 def test_cpu_bf16_draft_errors_name_the_flag(tiny_pair, monkeypatch):

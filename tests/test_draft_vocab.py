@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
 from torch import nn
 
+from blockspec.cli import main
 from blockspec.config import SpeculativeConfig, resolve_spec
 from blockspec.errors import ConfigError
 from blockspec.generate import generate
@@ -20,6 +22,8 @@ from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
+from dflash_utils import make_zlab_draft
+from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, VOCAB, cycle_seq, trained_pair, with_k
 
 needs_bf16 = pytest.mark.skipif(not cpu_packed.supported(torch.device("cpu")),
@@ -112,3 +116,17 @@ def test_engine_and_single_request_lossless_with_draft_vocab(head):
         assert all(t < 30 for step in single.steps + out.steps for t in step["draft"])
     taus = [sum(o.acceptance_lengths) / len(o.acceptance_lengths) for o in outs]
     assert taus[0] > 5.0 and taus[1] == 1.0, taus
+
+
+def test_cli_generate_with_draft_vocab_size(tmp_path, capsys):
+    """fp32 through load_draft and the CLI: same tokens as plain decoding, drafts < N."""
+    hf = make_hf_model("llama", seed=5)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2], scale=2.0)
+    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "7,8,9,10", "--max-tokens", "24", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", str(tmp_path / "d"), "--draft-vocab-size", "16", "--trace"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"]
+    assert all(t < 16 for s in out["steps"] for t in s["draft"]) and out["steps"]

@@ -18,6 +18,7 @@ from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.generate import generate
+from blockspec.layers import cpu_packed
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
@@ -163,6 +164,23 @@ def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, c
     table = _table_header(report)
     assert table == (f"eval-draft mtbench: {LIMIT} prompts, max {MAX_TOKENS} new tokens, temperature 0.0, K=2 "
                      "(full-block drafting), batch 1")
+
+
+@pytest.mark.skipif(not cpu_packed.supported(torch.device("cpu")),
+                    reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
+def test_eval_draft_cpu_bf16_draft_and_draft_vocab(pair_dirs, tmp_path, capsys):
+    """--cpu-bf16-draft --draft-vocab-size reach the drafter: outputs still equal plain decoding, and the report and
+    its table say which drafter ran."""
+    target, draft_dir = pair_dirs
+    rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "mtbench",
+                              "--limit", "2", "--max-tokens", "24", "--num-draft-tokens", "3", "--cpu-bf16-draft",
+                              "--draft-vocab-size", "40", "--out-dir", str(tmp_path), "--json")
+    assert rc == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["outputs_identical"] is True and report["mean_acceptance_length"] > 1.5
+    assert report["cpu_bf16_draft"] is True and report["draft_vocab_size"] == 40
+    assert _table_header(report) == ("eval-draft mtbench: 2 prompts, max 24 new tokens, temperature 0.0, K=3 "
+                                     "(bf16 CPU drafter, draft vocab 40), batch 1")
 
 
 def _table_header(report: dict) -> str:

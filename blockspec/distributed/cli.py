@@ -22,7 +22,9 @@ def _llm(args: argparse.Namespace):
     if args.draft is not None:
         spec = SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
                                  probabilistic_drafting=getattr(args, "probabilistic_drafting", False),
-                                 full_block_drafting=getattr(args, "full_block_drafting", False))
+                                 full_block_drafting=getattr(args, "full_block_drafting", False),
+                                 cpu_bf16_draft=getattr(args, "cpu_bf16_draft", False),
+                                 draft_vocab_size=getattr(args, "draft_vocab_size", None))
     return LLM(args.model, spec, device=args.device, dtype=args.dtype,
                tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_batch_size,
                enforce_eager=getattr(args, "enforce_eager", False))

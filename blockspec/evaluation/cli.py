@@ -22,6 +22,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
     p.add_argument("--full-block-drafting", action="store_true",
                    help="draft the trained block size and verify the first K drafts (pays at small K)")
+    from blockspec.cli import add_draft_precision_args
+
+    add_draft_precision_args(p)
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -38,13 +41,20 @@ def _differing(rows: list[dict] | None) -> str:
     return f" ({len(rows)} prompts differ, first at tokens {firsts})"
 
 
+def _draft_options(r: dict) -> str:
+    opts = (["bf16 CPU drafter"] if r.get("cpu_bf16_draft") else []) + (
+        [f"draft vocab {r['draft_vocab_size']}"] if r.get("draft_vocab_size") is not None else [])
+    return f" ({', '.join(opts)})" if opts else ""
+
+
 def _table(r: dict) -> str:
     tau = r["mean_acceptance_length"]
     per_pos = "  ".join(f"{i}:{a:.2f}" for i, a in enumerate(r["per_position_acceptance"], 1))
     return "\n".join([
         f"eval-draft {r['dataset']}: {r['num_prompts']} prompts, max {r['max_tokens']} new tokens, "
         f"temperature {r['temperature']}, K={r['num_draft_tokens']}"
-        f"{' (full-block drafting)' if r.get('full_block_drafting') else ''}, batch {r['max_batch_size']}",
+        f"{' (full-block drafting)' if r.get('full_block_drafting') else ''}{_draft_options(r)}, "
+        f"batch {r['max_batch_size']}",
         f"{'':24s}{'spec':>12s}{'no-spec':>12s}",
         f"{'generated tokens':24s}{r['generated_tokens']:12d}{r['baseline_generated_tokens']:12d}",
         f"{'time (s)':24s}{r['time_s']:12.2f}{r['baseline_time_s']:12.2f}",
@@ -79,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     texts = load_eval_prompts(args.dataset, args.limit)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     draft = load_draft(SpeculativeConfig(draft_model=draft_src, num_draft_tokens=args.num_draft_tokens,
-                                         full_block_drafting=args.full_block_drafting), lm)
+                                         full_block_drafting=args.full_block_drafting,
+                                         cpu_bf16_draft=args.cpu_bf16_draft,
+                                         draft_vocab_size=args.draft_vocab_size), lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
     batch = args.max_batch_size or (8 if on_gpu else 1)
@@ -89,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                                f"{args.dataset}: {Path(draft_src).name} on {lm.source.name}")
     result = {**asdict(report), "model": lm.source.name, "draft": draft_src, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
-              "full_block_drafting": args.full_block_drafting,
+              "full_block_drafting": args.full_block_drafting, "cpu_bf16_draft": args.cpu_bf16_draft,
+              "draft_vocab_size": args.draft_vocab_size,
               "max_batch_size": batch, "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}
     Path(result["report"]).write_text(json.dumps(result, indent=1))

@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probabilistic-drafting", action="store_true", help="sample drafts and use p/q rejection")
     p.add_argument("--full-block-drafting", action="store_true",
                    help="draft with the drafter's trained block size, verify the first K drafts")
+    from blockspec.cli import add_draft_precision_args
+
+    add_draft_precision_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     for name, (kind, help_text) in _ENGINE_FLAGS.items():
@@ -51,9 +54,12 @@ def build_llm(args: argparse.Namespace):
     spec = None
     if args.draft is not None:
         spec = {"draft_model": args.draft, "num_draft_tokens": args.num_draft_tokens,
-                "probabilistic_drafting": args.probabilistic_drafting, "full_block_drafting": args.full_block_drafting}
-    elif args.num_draft_tokens is not None or args.probabilistic_drafting or args.full_block_drafting:
-        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting and --full-block-drafting need --draft")
+                "probabilistic_drafting": args.probabilistic_drafting, "full_block_drafting": args.full_block_drafting,
+                "cpu_bf16_draft": args.cpu_bf16_draft, "draft_vocab_size": args.draft_vocab_size}
+    elif (args.num_draft_tokens is not None or args.probabilistic_drafting or args.full_block_drafting
+          or args.cpu_bf16_draft or args.draft_vocab_size is not None):
+        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting, --full-block-drafting, --cpu-bf16-draft "
+                             "and --draft-vocab-size need --draft")
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False
