@@ -9,6 +9,7 @@ import time
 
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import ModelLoadError
+from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
@@ -23,7 +24,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None, full_block: bool):
+def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None, full_block: bool, cpu_bf16: bool):
     from blockspec.loading.bundled_draft import bundled_draft_path
     from blockspec.loading.draft_loader import load_draft
 
@@ -33,7 +34,7 @@ def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None, full_bloc
         print(f"note: {e}\nrunning plain decoding only", file=sys.stderr)
         return None
     return load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=num_draft_tokens,
-                                        full_block_drafting=full_block), lm)
+                                        full_block_drafting=full_block, cpu_bf16_draft=cpu_bf16), lm)
 
 
 def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tuple[list[int], list[int], float]:
@@ -61,11 +62,14 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     if num_draft_tokens is None and on_cpu:
         # a CPU spec step at K = 2 costs 1.35x a plain one, at K = 3 1.84x (docs/perf.md): short blocks pay there
         num_draft_tokens = CPU_DRAFT_TOKENS
+    # on a CPU with bf16 units the drafter runs in bf16 on weights packed once for oneDNN (a cheaper spec step): the
+    # fp32 target verifies every draft, so the outputs stay those of plain fp32 decoding
+    cpu_bf16 = on_cpu and cpu_packed.supported(next(lm.model.parameters()).device)
     # the drafter still drafts its trained block (16 rows through a few small layers, cheap next to verifying):
     # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
-    draft = _load_bundled_draft(lm, num_draft_tokens, full_block=on_cpu) if model is None else None
-    print(f"loaded {lm.source.name}{' + the bundled DFlash drafter' if draft else ''} in "
-          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    draft = _load_bundled_draft(lm, num_draft_tokens, on_cpu, cpu_bf16) if model is None else None
+    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN)' if cpu_bf16 else ''}" if draft else ""
+    print(f"loaded {lm.source.name}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     plain = LLM.from_loaded(lm, None, max_num_seqs=1)
     spec = LLM.from_loaded(lm, draft, max_num_seqs=1) if draft is not None else None
     params = SamplingParams(max_tokens=max_tokens)
