@@ -168,12 +168,14 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="K drafts per block for the bundled drafter (default: 2 on CPU, where verifying more rows "
                         "costs more than they gain, see docs/perf.md; block_size - 1 elsewhere)")
+    p.add_argument("--fp32-draft", action="store_true",
+                   help="keep the drafter in fp32 on CPUs with bf16 units too (what CPUs without them run)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from blockspec.demo import run_demo
 
-    return run_demo(args.model, args.max_tokens, args.device, args.num_draft_tokens)
+    return run_demo(args.model, args.max_tokens, args.device, args.num_draft_tokens, fp32_draft=args.fp32_draft)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

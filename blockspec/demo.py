@@ -68,7 +68,7 @@ def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tup
 
 
 def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None = "cpu",
-             num_draft_tokens: int | None = None) -> int:
+             num_draft_tokens: int | None = None, fp32_draft: bool = False) -> int:
     t0 = time.perf_counter()
     lm = load_model(model, device=device)
     assert lm.tokenizer is not None
@@ -78,7 +78,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
         num_draft_tokens = CPU_DRAFT_TOKENS
     # on a CPU with bf16 units the drafter runs in bf16 on weights packed once for oneDNN (a cheaper spec step): the
     # fp32 target verifies every draft, so the outputs stay those of plain fp32 decoding
-    cpu_bf16 = on_cpu and cpu_packed.supported(next(lm.model.parameters()).device)
+    cpu_bf16 = on_cpu and not fp32_draft and cpu_packed.supported(next(lm.model.parameters()).device)
     # the drafter still drafts its trained block (16 rows through a few small layers, cheap next to verifying):
     # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
     draft = _load_bundled_draft(lm, num_draft_tokens, on_cpu, cpu_bf16) if model is None else None

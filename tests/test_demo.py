@@ -70,3 +70,24 @@ def test_the_bundled_drafter_is_lossless_and_accepted():
         assert spec.token_ids == plain.token_ids, cpu_bf16
         acc = spec.acceptance_lengths
         assert sum(acc) / len(acc) > 1.5, (cpu_bf16, acc)
+
+
+def test_demo_fp32_draft_keeps_the_drafter_in_fp32(tmp_path, monkeypatch, capsys):
+    """--fp32-draft: the set-up of CPUs without bf16 units, on any CPU (the load line says which drafter runs)."""
+    import torch
+
+    from blockspec.cli import main
+    from blockspec.layers import cpu_packed
+    from blockspec.loading.bundled import bundled_default_path
+    from blockspec.loading.source import resolve_source
+    from blockspec.models.config import ModelConfig
+
+    src = resolve_source(str(bundled_default_path()))
+    init_draft(ModelConfig.from_hf(src.config, "bundled"), tmp_path / "d", 1, 16, None, 0)
+    monkeypatch.setattr(bundled_draft, "BUNDLED_DRAFT_DIR", tmp_path / "d")
+    assert main(["demo", "--max-tokens", "2", "--fp32-draft"]) == 0
+    err = capsys.readouterr().err
+    assert "+ the bundled DFlash drafter in " in err
+    if cpu_packed.supported(torch.device("cpu")):
+        assert main(["demo", "--max-tokens", "2"]) == 0
+        assert "+ the bundled DFlash drafter (bf16, oneDNN) in " in capsys.readouterr().err
