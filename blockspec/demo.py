@@ -17,7 +17,7 @@ from blockspec.textstream import TextStreamer
 
 CPU_DRAFT_TOKENS = 2
 # argmax drafts over the first half of SmolLM2's vocabulary on CPU: its BPE ids are roughly frequency-ordered, ids
-# below 24,576 are 98.5 % of the demo's output tokens, and the drafter's head pass (the spec step's largest extra
+# below 24,576 are 98.6 % of the demo's output tokens, and the drafter's head pass (the spec step's largest extra
 # weight read after the target's) halves. Lossless: the target verifies, only drafts of rarer ids are never made
 CPU_DRAFT_VOCAB = 24576
 
