@@ -52,7 +52,10 @@ def test_compiled_draft_pass_equals_eager_and_does_not_recompile(tmp_path, backe
             got, got_grads = _loss_and_grads(compiled, mb, draft)
             assert got == pytest.approx(want, rel=1e-5)
             for name, g in want_grads.items():
-                assert torch.allclose(got_grads[name], g, rtol=1e-4, atol=1e-6), name
+                # relative to the whole gradient: inductor's fused reductions sum in another order, which moves
+                # single near-zero entries by more than an elementwise tolerance allows on some CPUs (AMD EPYC)
+                err = float((got_grads[name] - g).norm() / g.norm())
+                assert err < 1e-5, (name, err)
             assert compiled.draft_pass.attn.inner is None  # the micro-batch's K/V are released
             if i == 0:
                 dcfg.error_on_recompile = True  # other micro-batches, other attention objects: the same graphs
