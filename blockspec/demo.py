@@ -11,11 +11,11 @@ from blockspec.config import SpeculativeConfig
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadedModel, load_model, resolve_device
 from blockspec.sampling import SamplingParams
 from blockspec.textstream import TextStreamer
 
-CPU_DRAFT_TOKENS = 2
+CPU_DRAFT_TOKENS = 4
 # argmax drafts over the first half of SmolLM2's vocabulary on CPU: its BPE ids are roughly frequency-ordered, ids
 # below 24,576 are 98.6 % of the demo's output tokens, and the drafter's head pass (the spec step's largest extra
 # weight read after the target's) halves. Lossless: the target verifies, only drafts of rarer ids are never made
@@ -70,20 +70,26 @@ def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tup
 def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None = "cpu",
              num_draft_tokens: int | None = None, fp32_draft: bool = False) -> int:
     t0 = time.perf_counter()
-    lm = load_model(model, device=device)
+    dev = resolve_device(device)
+    on_cpu = dev.type == "cpu"
+    # on a CPU the target's linears are packed once for oneDNN (plain and spec alike): a step reads the weights
+    # faster, and a verify step of K + 1 rows costs about what a 1-row step does (MKL's small GEMMs do not)
+    packed = cpu_packed.fp32_supported(dev)
+    lm = load_model(model, device=device, cpu_packed=packed)
     assert lm.tokenizer is not None
-    on_cpu = next(lm.model.parameters()).device.type == "cpu"
     if num_draft_tokens is None and on_cpu:
-        # a CPU spec step at K = 2 costs 1.35x a plain one, at K = 3 1.84x (docs/perf.md): short blocks pay there
+        # the drafter's 16-row pass is paid every step whatever K is, so K is where more drafts stop paying for
+        # themselves: K = 3, 4 and 5 measure within 2 % of each other here (docs/perf.md)
         num_draft_tokens = CPU_DRAFT_TOKENS
     # on a CPU with bf16 units the drafter runs in bf16 on weights packed once for oneDNN (a cheaper spec step): the
     # fp32 target verifies every draft, so the outputs stay those of plain fp32 decoding
-    cpu_bf16 = on_cpu and not fp32_draft and cpu_packed.supported(next(lm.model.parameters()).device)
+    cpu_bf16 = on_cpu and not fp32_draft and cpu_packed.bf16_supported(dev)
     # the drafter still drafts its trained block (16 rows through a few small layers, cheap next to verifying):
     # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
     draft = _load_bundled_draft(lm, num_draft_tokens, on_cpu, cpu_bf16) if model is None else None
-    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN)' if cpu_bf16 else ''}" if draft else ""
-    print(f"loaded {lm.source.name}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    target = " (fp32, oneDNN-packed)" if packed else ""
+    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN-packed)' if cpu_bf16 else ''}" if draft else ""
+    print(f"loaded {lm.source.name}{target}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     plain = LLM.from_loaded(lm, None, max_num_seqs=1)
     spec = LLM.from_loaded(lm, draft, max_num_seqs=1) if draft is not None else None
     params = SamplingParams(max_tokens=max_tokens)

@@ -15,12 +15,18 @@ from blockspec.sampling import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, speculative_config: SpeculativeConfig | dict | None = None,
-                 device: str | None = None, dtype: str | None = None, **engine_config) -> None:
+                 device: str | None = None, dtype: str | None = None, cpu_packed: bool = False,
+                 **engine_config) -> None:
+        """cpu_packed: on the CPU, the target's linears packed once for oneDNN (faster steps, same dtype; see
+        layers/cpu_packed.py)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(**engine_config)
         self.tp = None
         if config.tensor_parallel_size > 1:  # this process becomes rank 0 of N (docs/tensor-parallel.md)
+            if cpu_packed:
+                raise ConfigError("cpu_packed=True is not supported with tensor_parallel_size > 1 (packed linears "
+                                  "cannot be sharded)")
             if speculative_config is not None and speculative_config.cpu_bf16_draft:
                 raise ConfigError("cpu_bf16_draft=True is not supported with tensor_parallel_size > 1 (the packed "
                                   "bf16 drafter cannot be sharded)")
@@ -31,7 +37,7 @@ class LLM:
             self.lm, self.engine = self.tp.lm, self.tp.engine
             self.tokenizer = self.lm.tokenizer
             return
-        self.lm = load_model(model, device=device, dtype=dtype)
+        self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed)
         self.tokenizer = self.lm.tokenizer
         draft = None
         if speculative_config is not None:

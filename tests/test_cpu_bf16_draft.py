@@ -20,7 +20,7 @@ from blockspec.config import SpeculativeConfig
 from blockspec.errors import ConfigError, ModelLoadError
 from blockspec.generate import generate
 from blockspec.layers import cpu_packed
-from blockspec.layers.cpu_packed import PackedLinearBF16, pack_linears
+from blockspec.layers.cpu_packed import PackedLinear, pack_linears
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import load_model
@@ -31,7 +31,7 @@ from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair, with_k
 
-needs_bf16 = pytest.mark.skipif(not cpu_packed.supported(torch.device("cpu")),
+needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
                                 reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 
 
@@ -56,7 +56,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 def test_packed_linear_equals_f_linear_in_bf16(bias):
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(48, 80, bias=bias)
-    p = PackedLinearBF16.from_linear(lin, rows_hint=16)
+    p = PackedLinear.from_linear(lin, rows_hint=16)
     w = lin.weight.detach().bfloat16()
     b = lin.bias.detach().bfloat16() if bias else None
     for shape in [(1, 48), (3, 48), (16, 48), (37, 48), (2, 5, 48), (0, 48)]:  # any row count, any leading dims
@@ -71,7 +71,7 @@ def test_packed_linear_equals_f_linear_in_bf16(bias):
     with torch.no_grad():
         ref = m[1](m[0](x).bfloat16().float())
         pack_linears(m)
-        assert [type(c).__name__ for c in (m[0], *m[1])] == ["PackedLinearBF16", "ReLU", "PackedLinearBF16"]
+        assert [type(c).__name__ for c in (m[0], *m[1])] == ["PackedLinear", "ReLU", "PackedLinear"]
         assert close(m(x), ref, 2e-2)
 
 
@@ -95,7 +95,7 @@ def test_packed_drafter_matches_the_unpacked_one(bias):
     for layer in model.layers:
         assert layer.self_attn.q_proj is None and layer.self_attn.k_proj is None and layer.self_attn.v_proj is None
     # per layer q|k|v, o_proj, gate_up, down; fc; all layers' context k|v; the whole head; the 40-row head
-    assert sum(isinstance(m, PackedLinearBF16) for m in model.modules()) == 4 * 2 + 4
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * 2 + 4
     g = torch.Generator().manual_seed(1)
     H = cfg.hidden_size
     taps, pos = torch.randn(9, 2 * H, generator=g), torch.arange(9)
@@ -193,7 +193,7 @@ def test_cpu_bf16_draft_errors_name_the_flag(tiny_pair, monkeypatch):
     on_meta = dataclasses.replace(lm, model=nn.Linear(1, 1, device="meta"))  # stands in for a GPU target
     with pytest.raises(ModelLoadError, match=r"^cpu_bf16_draft=True needs the target on the CPU, but it is on meta$"):
         load_draft(spec, on_meta)
-    monkeypatch.setattr(cpu_packed, "supported", lambda device: False)
+    monkeypatch.setattr(cpu_packed, "bf16_supported", lambda device: False)
     with pytest.raises(ModelLoadError, match=r"^cpu_bf16_draft=True needs a CPU with oneDNN bf16 kernels "
                                              r"\(AVX512-BF16 or AMX\); this one has none"):
         load_draft(spec, lm)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import blockspec.loading.bundled_draft as bundled_draft
-from blockspec.demo import DEMO_PROMPTS, run_demo
+from blockspec.demo import CPU_DRAFT_TOKENS, CPU_DRAFT_VOCAB, DEMO_PROMPTS, run_demo
 from blockspec.train.export import init_draft
 
 pytestmark = pytest.mark.smollm2
@@ -45,8 +45,8 @@ def test_demo_without_the_drafter(tmp_path, monkeypatch, capsys):
 def test_the_bundled_drafter_is_lossless_and_accepted():
     """The shipped drafter itself (z-lab format, loaded as-is) on the bundled target, fp32 CPU: greedy speculative
     output equals plain decoding token for token, and it is a trained drafter (a random one accepts nothing). The
-    same with the drafter in bf16 on oneDNN-packed weights (the demo's set-up on such CPUs): still lossless, still
-    accepted."""
+    same with the drafter in bf16 on oneDNN-packed weights, and over the oneDNN-packed target with the demo's K,
+    full-block drafting and draft vocabulary: still lossless, still accepted."""
     import torch
 
     from blockspec.config import SpeculativeConfig
@@ -61,7 +61,7 @@ def test_the_bundled_drafter_is_lossless_and_accepted():
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPTS[0]}])
     params = SamplingParams(max_tokens=48)
     plain = LLM.from_loaded(lm, None, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
-    bf16 = [True] if cpu_packed.supported(torch.device("cpu")) else []
+    bf16 = [True] if cpu_packed.bf16_supported(torch.device("cpu")) else []
     for cpu_bf16 in [False, *bf16]:
         draft = load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=15, cpu_bf16_draft=cpu_bf16), lm)
         assert draft.config.block_size == 16 and draft.spec.target_layer_ids == [1, 8, 14, 20, 27]
@@ -70,6 +70,16 @@ def test_the_bundled_drafter_is_lossless_and_accepted():
         assert spec.token_ids == plain.token_ids, cpu_bf16
         acc = spec.acceptance_lengths
         assert sum(acc) / len(acc) > 1.5, (cpu_bf16, acc)
+    if cpu_packed.fp32_supported(torch.device("cpu")):  # the demo's set-up: packed target, its K and draft rows
+        lm = load_model(None, device="cpu", cpu_packed=True)
+        assert LLM.from_loaded(lm, None, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0].token_ids == \
+            plain.token_ids
+        draft = load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=CPU_DRAFT_TOKENS,
+                                             full_block_drafting=True, cpu_bf16_draft=bool(bf16),
+                                             draft_vocab_size=CPU_DRAFT_VOCAB), lm)
+        spec = LLM.from_loaded(lm, draft, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
+        assert spec.token_ids == plain.token_ids
+        assert sum(spec.acceptance_lengths) / len(spec.acceptance_lengths) > 1.5, spec.acceptance_lengths
 
 
 def test_demo_fp32_draft_keeps_the_drafter_in_fp32(tmp_path, monkeypatch, capsys):
@@ -88,6 +98,6 @@ def test_demo_fp32_draft_keeps_the_drafter_in_fp32(tmp_path, monkeypatch, capsys
     assert main(["demo", "--max-tokens", "2", "--fp32-draft"]) == 0
     err = capsys.readouterr().err
     assert "+ the bundled DFlash drafter in " in err
-    if cpu_packed.supported(torch.device("cpu")):
+    if cpu_packed.bf16_supported(torch.device("cpu")):
         assert main(["demo", "--max-tokens", "2"]) == 0
-        assert "+ the bundled DFlash drafter (bf16, oneDNN) in " in capsys.readouterr().err
+        assert "+ the bundled DFlash drafter (bf16, oneDNN-packed) in " in capsys.readouterr().err

@@ -26,7 +26,7 @@ from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, VOCAB, cycle_seq, trained_pair, with_k
 
-needs_bf16 = pytest.mark.skipif(not cpu_packed.supported(torch.device("cpu")),
+needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
                                 reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 HEADS = ["fp32", pytest.param("bf16", marks=needs_bf16)]
 

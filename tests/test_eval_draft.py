@@ -171,7 +171,7 @@ def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, c
                      "(full-block drafting), batch 1")
 
 
-@pytest.mark.skipif(not cpu_packed.supported(torch.device("cpu")),
+@pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
                     reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 def test_eval_draft_cpu_bf16_draft_and_draft_vocab(pair_dirs, tmp_path, capsys):
     """--cpu-bf16-draft --draft-vocab-size reach the drafter: outputs still equal plain decoding, and the report and

@@ -51,6 +51,6 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
 def _check_cpu_bf16(device: torch.device) -> None:
     if device.type != "cpu":
         raise ModelLoadError(f"cpu_bf16_draft=True needs the target on the CPU, but it is on {device}")
-    if not cpu_packed.supported(device):
+    if not cpu_packed.bf16_supported(device):
         raise ModelLoadError("cpu_bf16_draft=True needs a CPU with oneDNN bf16 kernels (AVX512-BF16 or AMX); this "
                              "one has none: leave cpu_bf16_draft off")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import BlockspecError
+from blockspec.layers import cpu_packed as packed_linears
 from blockspec.loading.source import ModelSource, resolve_source
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.loading.weights import load_weights
@@ -45,6 +46,15 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return parse_dtype(dtype)
 
 
+def check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
+    if not packed_linears.fp32_supported(device):
+        where = f"the model is on {device}" if device.type != "cpu" else "this torch build has no oneDNN (mkldnn)"
+        raise BlockspecError(f"cpu_packed=True (--cpu-packed) needs a CPU with oneDNN, but {where}")
+    if dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.bfloat16 and not packed_linears.bf16_supported(device)):
+        raise BlockspecError(f"cpu_packed=True (--cpu-packed) packs fp32 weights (bf16 on CPUs with bf16 kernels), "
+                             f"not {dtype}")
+
+
 def _stop_ids(cfg: ModelConfig, gen: dict, tok: Tokenizer | None) -> list[int]:
     ids: list[int] = []
     g = gen.get("eos_token_id")
@@ -65,14 +75,21 @@ def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
     return model
 
 
-def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True,
+               cpu_packed: bool = False) -> LoadedModel:
+    """cpu_packed: inference on the CPU with every linear packed once for oneDNN (layers/cpu_packed.py; faster plain
+    and verify steps, same dtype). The model can then no longer be trained or moved to another device."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if cpu_packed:
+        check_cpu_packed(dev, dt)
     source = resolve_source(src)
     cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
     cfg = ModelConfig.from_hf(source.config, source=str(cfg_name))
     model = instantiate(cfg, dev, dt)
     load_weights(model, source.tensors(), str(source.path))
     model.eval()
+    if cpu_packed:
+        packed_linears.pack_target(model)
     tok = source.load_tokenizer() if with_tokenizer else None
     return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers import kernels
-from blockspec.layers.cpu_packed import PackedLinearBF16, pack_linears
+from blockspec.layers.cpu_packed import PackedLinear, pack_linears
 from blockspec.layers.norm import RMSNorm, rms_norm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.dflash_config import DFlashConfig
@@ -50,7 +50,7 @@ class DFlashAttention(nn.Module):
         self.window = cfg.layer_window[layer_idx]
         self.scale = self.head_dim**-0.5
         self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, H] once fuse_qkv() ran (inference, GPU)
-        self.qkv_packed: PackedLinearBF16 | None = None  # q|k|v in one packed bf16 linear once pack_cpu_bf16() ran
+        self.qkv_packed: PackedLinear | None = None  # q|k|v in one packed bf16 linear once pack_cpu_bf16() ran
         self.qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D]: q_norm's weight per q head, then k_norm's
 
     def fuse_qkv(self) -> None:
@@ -70,7 +70,7 @@ class DFlashAttention(nn.Module):
         and v_proj are dropped: the block uses the packed GEMM, the context k/v the model's all-layer one."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        self.qkv_packed = PackedLinearBF16(torch.cat([p.weight for p in projs]), bias, rows_hint)
+        self.qkv_packed = PackedLinear(torch.cat([p.weight for p in projs]), bias, rows_hint)
         D = self.head_dim
         self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.num_heads, D),
                                          self.k_norm.weight.detach().expand(self.num_kv_heads, D)])
@@ -170,7 +170,7 @@ class DFlashDraftModel(nn.Module):
         self.draft_head: nn.Module | None = None  # the whole head (pack_cpu_bf16: packed bf16)
         self.greedy_head: nn.Module | None = None  # argmax drafts: the first draft_vocab_size rows only
         # pack_cpu_bf16: every layer's context k|v in one packed GEMM, and the layers' k_norm weights [L, 1, D]
-        self.ctx_kv_packed: PackedLinearBF16 | None = None
+        self.ctx_kv_packed: PackedLinear | None = None
         self.ctx_k_norm_weight: torch.Tensor | None = None
         # inputs (taps, embeddings) are cast to this dtype (pack_cpu_bf16: bf16 under an fp32 target); None: used as
         # given (training passes its autocast dtype and must keep it)
@@ -191,14 +191,14 @@ class DFlashDraftModel(nn.Module):
         attns = [layer.self_attn for layer in self.layers]
         kv = [p for a in attns for p in (a.k_proj, a.v_proj)]
         bias = None if kv[0].bias is None else torch.cat([p.bias for p in kv])
-        self.ctx_kv_packed = PackedLinearBF16(torch.cat([p.weight for p in kv]), bias, rows_hint)
+        self.ctx_kv_packed = PackedLinear(torch.cat([p.weight for p in kv]), bias, rows_hint)
         self.ctx_k_norm_weight = torch.stack([a.k_norm.weight.detach() for a in attns])[:, None]
         for a in attns:
             a.pack_cpu_bf16(rows_hint)
         pack_linears(self, rows_hint)  # fc, o_proj, the MLPs
-        self.draft_head = PackedLinearBF16.from_linear(lm_head, rows_hint)
+        self.draft_head = PackedLinear.from_linear(lm_head, rows_hint)
         if vocab is not None:
-            self.greedy_head = PackedLinearBF16(lm_head.weight[:vocab], None, rows_hint)
+            self.greedy_head = PackedLinear(lm_head.weight[:vocab], None, rows_hint)
         self.input_dtype = torch.bfloat16
 
     def set_draft_vocab(self, lm_head: nn.Linear, n: int) -> None:

@@ -67,7 +67,8 @@ def build_llm(args: argparse.Namespace):
         engine["enforce_eager"] = True
     if args.draft_len_schedule is not None:
         engine["draft_len_schedule"] = parse_schedule(args.draft_len_schedule)
-    return LLM(model_source(args), speculative_config=spec, device=args.device, dtype=args.dtype, **engine)
+    return LLM(model_source(args), speculative_config=spec, device=args.device, dtype=args.dtype,
+               cpu_packed=args.cpu_packed, **engine)
 
 
 def parse_schedule(text: str) -> dict[int, int]:

@@ -1,0 +1,127 @@
+"""The CPU-packed target (load_model(cpu_packed=True), --cpu-packed): fp32 linears packed for oneDNN compute what
+F.linear does within fp32 rounding at any row count; a packed target decodes the same greedy tokens as the unpacked
+one, plainly and with every drafter set-up (fp32, bf16, smaller draft vocabulary; engine and single-request loop);
+the lm_head stays readable for the drafter; bad set-ups fail with an error that names the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.cli import main
+from blockspec.config import SpeculativeConfig
+from blockspec.errors import BlockspecError, ConfigError
+from blockspec.generate import generate
+from blockspec.layers import cpu_packed
+from blockspec.layers.cpu_packed import PackedLinear, pack_target
+from blockspec.llm import LLM
+from blockspec.loading.draft_loader import load_draft
+from blockspec.loading.loader import load_model
+from blockspec.sampling import SamplingParams
+from blockspec.spec.single import spec_generate
+from blockspec.train.export import save_draft
+from dflash_utils import make_zlab_draft
+from hf_utils import make_hf_model, save_hf_model
+from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
+
+pytestmark = pytest.mark.skipif(not cpu_packed.fp32_supported(torch.device("cpu")), reason="torch without oneDNN")
+bf16_cpu = cpu_packed.bf16_supported(torch.device("cpu"))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_linear_equals_f_linear(bias):
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias)
+    p = PackedLinear.from_linear(lin, rows_hint=16, dtype=torch.float32)
+    assert not hasattr(p, "weight")  # the fp32 original is not kept unless asked
+    for shape in [(1, 48), (3, 48), (16, 48), (37, 48), (2, 5, 48), (0, 48)]:  # any row count, any leading dims
+        x = torch.randn(*shape, generator=g)
+        y = p(x)
+        assert y.dtype == torch.float32 and y.shape == (*shape[:-1], 80)
+        torch.testing.assert_close(y, F.linear(x, lin.weight.detach(), lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_target_replaces_every_linear_and_keeps_the_head_weight(tmp_path):
+    save_hf_model(make_hf_model("llama", seed=3, tie_word_embeddings=True), tmp_path / "t")
+    model = load_model(str(tmp_path / "t"), device="cpu", with_tokenizer=False).model
+    embed = model.embed_tokens.weight
+    assert model.lm_head.weight is embed
+    pack_target(model)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.lm_head.weight is embed  # tied: the drafter's reads of lm_head.weight see the embedding
+    # per layer qkv, o, gate_up, down; the head
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * len(model.layers) + 1
+
+
+@pytest.fixture(scope="module")
+def packed_pair(tmp_path_factory):
+    """The trained pair's target loaded again with cpu_packed=True, and its trained drafter saved to a directory."""
+    pair = trained_pair()
+    target = Path(pair.lm.source.path)
+    config = json.loads((target.parent / "draft" / "config.json").read_text())
+    draft_dir = save_draft(pair.draft.model, config, tmp_path_factory.mktemp("packed") / "draft", dtype=torch.float32)
+    lm = load_model(str(target), device="cpu", with_tokenizer=False, cpu_packed=True)
+    assert isinstance(lm.model.lm_head, PackedLinear)
+    return pair, lm, draft_dir
+
+
+@pytest.mark.parametrize("drafter", ["fp32", "fp32-vocab", "bf16", "bf16-vocab"])
+def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
+    """Plain greedy of the packed target = of the unpacked one; speculative decoding over the packed target (engine
+    decode step, varlen step, single-request loop) emits the same tokens, and the trained drafter is accepted."""
+    if drafter.startswith("bf16") and not bf16_cpu:
+        pytest.skip("this CPU has no oneDNN bf16 kernels")
+    pair, lm, draft_dir = packed_pair
+    prompts = [[14, 15, 16, 17], CYCLE_B[7:12], cycle_seq(CYCLE_A, 3, 30), [3, 50, 21, 7, 44, 12, 60]]
+    refs = [generate(pair.lm, p, greedy(40)).token_ids for p in prompts]  # the unpacked target
+    assert [generate(lm, p, greedy(40)).token_ids for p in prompts] == refs
+    spec = SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=5, cpu_bf16_draft=drafter.startswith("bf16"),
+                             draft_vocab_size=50 if drafter.endswith("vocab") else None)
+    draft = load_draft(spec, lm)
+    out = spec_generate(lm, draft, prompts[0], greedy(40))
+    assert out.token_ids == refs[0]
+    assert sum(out.acceptance_lengths) / len(out.acceptance_lengths) > 3.0, out.acceptance_lengths
+    assert [o.token_ids for o in LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+            .generate(prompts, greedy(40), use_tqdm=False)] == refs
+    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    assert [o.token_ids for o in varlen.generate(prompts, greedy(40), use_tqdm=False)] == refs
+
+
+def test_cli_generate_flag(tmp_path, capsys, monkeypatch):
+    packed: list[nn.Module] = []
+    monkeypatch.setattr(cpu_packed, "pack_target", lambda model, f=pack_target: packed.append(model) or f(model))
+    hf = make_hf_model("qwen3", seed=12)
+    save_hf_model(hf, tmp_path / "t")
+    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
+    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for extra in (["--cpu-packed"], ["--cpu-packed", "--draft", str(tmp_path / "d"), "--num-draft-tokens", "3"]):
+        assert main(base + extra) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"], extra
+        assert isinstance(packed.pop().lm_head, PackedLinear) and not packed
+    assert main(base + ["--cpu-packed", "--tensor-parallel-size", "2"]) == 2
+    assert "--cpu-packed is not supported with --tensor-parallel-size" in capsys.readouterr().err
+
+
+def test_cpu_packed_errors_name_the_flag(tmp_path, monkeypatch):
+    save_hf_model(make_hf_model("llama", seed=1), tmp_path / "t")
+    with pytest.raises(BlockspecError, match=r"^cpu_packed=True \(--cpu-packed\) packs fp32 weights \(bf16 on CPUs "
+                                             r"with bf16 kernels\), not torch.float16$"):
+        load_model(str(tmp_path / "t"), device="cpu", dtype="float16", cpu_packed=True)
+    with pytest.raises(ConfigError, match=r"^cpu_packed=True is not supported with tensor_parallel_size > 1"):
+        LLM(str(tmp_path / "t"), device="cpu", cpu_packed=True, tensor_parallel_size=2)
+    monkeypatch.setattr(cpu_packed, "fp32_supported", lambda device: False)
+    with pytest.raises(BlockspecError, match=r"^cpu_packed=True \(--cpu-packed\) needs a CPU with oneDNN, but this "
+                                             r"torch build has no oneDNN \(mkldnn\)$"):
+        load_model(str(tmp_path / "t"), device="cpu", cpu_packed=True)
