@@ -170,8 +170,8 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="K drafts per block for the bundled drafter (default: 2 on CPU, where verifying more rows "
-                        "costs more than they gain, see docs/perf.md; block_size - 1 elsewhere)")
+                   help="K drafts per block for the bundled drafter (default: 4 on CPU, where K = 3-5 measure "
+                        "best, see docs/perf.md; block_size - 1 elsewhere)")
     p.add_argument("--fp32-draft", action="store_true",
                    help="keep the drafter in fp32 on CPUs with bf16 units too (what CPUs without them run)")
 
@@ -191,6 +191,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--full-block-drafting", action="store_true", help="as in generate")
+    add_draft_precision_args(p)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true")
@@ -208,18 +210,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         report = bench_tp(args)
     else:
-        lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False)
+        lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False,
+                        cpu_packed=args.cpu_packed)
         draft = None
         if args.draft:
             from blockspec.config import SpeculativeConfig
             from blockspec.loading.draft_loader import load_draft
 
-            draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
+            draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
+                                                 full_block_drafting=args.full_block_drafting,
+                                                 cpu_bf16_draft=args.cpu_bf16_draft,
+                                                 draft_vocab_size=args.draft_vocab_size), lm)
         prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
         report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size,
                        enforce_eager=args.enforce_eager)
     report["config"] = {k: getattr(args, k) for k in ("model", "draft", "num_prompts", "prompt_len", "max_tokens",
-                                                      "max_batch_size", "num_draft_tokens")}
+                                                      "max_batch_size", "num_draft_tokens", "full_block_drafting",
+                                                      "cpu_packed", "cpu_bf16_draft", "draft_vocab_size")}
     if args.json:
         print(json.dumps(report))
     else:

@@ -97,7 +97,7 @@ def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
     assert [o.token_ids for o in varlen.generate(prompts, greedy(40), use_tqdm=False)] == refs
 
 
-def test_cli_generate_flag(tmp_path, capsys, monkeypatch):
+def test_cli_generate_and_bench_flags(tmp_path, capsys, monkeypatch):
     packed: list[nn.Module] = []
     monkeypatch.setattr(cpu_packed, "pack_target", lambda model, f=pack_target: packed.append(model) or f(model))
     hf = make_hf_model("qwen3", seed=12)
@@ -110,6 +110,13 @@ def test_cli_generate_flag(tmp_path, capsys, monkeypatch):
         assert main(base + extra) == 0
         assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"], extra
         assert isinstance(packed.pop().lm_head, PackedLinear) and not packed
+    bench = ["bench", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--num-draft-tokens", "3",
+             "--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "8", "--device", "cpu", "--json"]
+    assert main(bench + ["--cpu-packed", "--full-block-drafting"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["outputs_identical"] is True and report["config"]["cpu_packed"] is True
+    assert report["config"]["full_block_drafting"] is True
+    assert isinstance(packed.pop().lm_head, PackedLinear) and not packed
     assert main(base + ["--cpu-packed", "--tensor-parallel-size", "2"]) == 2
     assert "--cpu-packed is not supported with --tensor-parallel-size" in capsys.readouterr().err
 
