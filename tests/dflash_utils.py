@@ -65,3 +65,14 @@ def check_fused_draft_prologue(model, device: str, dtype: torch.dtype, tol: floa
     assert (kc.abs().sum((1, 2)) > 0).sum() == int(ok.sum())  # nothing written for slot -1
     for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
         assert a.shape == b.shape and ((a.float() - b.float()).abs() <= tol * b.float().abs().clamp_min(1.0)).all()
+
+
+def cli_pair(root: Path) -> list[str]:
+    """A random tiny qwen3 target (root/t) and a random block-8 drafter for it (root/d); returns the `generate
+    --json` command for the target on a fixed prompt (add --draft root/d for speculative decoding)."""
+    from hf_utils import make_hf_model, save_hf_model
+
+    hf = make_hf_model("qwen3", seed=12)
+    save_hf_model(hf, root / "t")
+    make_zlab_draft(hf.config, root / "d", block_size=8, target_layer_ids=[0, 2])
+    return ["generate", "--model", str(root / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]

@@ -27,7 +27,7 @@ from blockspec.loading.loader import load_model
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
-from dflash_utils import make_zlab_draft
+from dflash_utils import cli_pair, make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair, with_k
 
@@ -171,10 +171,7 @@ def test_load_draft_packs_and_a_random_drafter_stays_lossless(tiny_pair):
 
 @needs_bf16
 def test_cli_generate_with_cpu_bf16_draft(tmp_path, capsys):
-    hf = make_hf_model("qwen3", seed=12)
-    save_hf_model(hf, tmp_path / "t")
-    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
-    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]
+    base = cli_pair(tmp_path)
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     for extra in (["--cpu-bf16-draft"], ["--cpu-bf16-draft", "--draft-vocab-size", "64"]):

@@ -25,7 +25,7 @@ from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
 from blockspec.train.export import save_draft
-from dflash_utils import make_zlab_draft
+from dflash_utils import cli_pair
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
@@ -100,10 +100,7 @@ def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
 def test_cli_generate_and_bench_flags(tmp_path, capsys, monkeypatch):
     packed: list[nn.Module] = []
     monkeypatch.setattr(cpu_packed, "pack_target", lambda model, f=pack_target: packed.append(model) or f(model))
-    hf = make_hf_model("qwen3", seed=12)
-    save_hf_model(hf, tmp_path / "t")
-    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
-    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]
+    base = cli_pair(tmp_path)
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     for extra in (["--cpu-packed"], ["--cpu-packed", "--draft", str(tmp_path / "d"), "--num-draft-tokens", "3"]):

@@ -13,7 +13,7 @@ from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
-from dflash_utils import make_zlab_draft
+from dflash_utils import cli_pair, make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 
 
@@ -44,10 +44,7 @@ def test_greedy_spec_equals_plain(pair, K):
 
 
 def test_cli_draft_json_and_trace(tmp_path, capsys):
-    hf = make_hf_model("qwen3", seed=12)
-    save_hf_model(hf, tmp_path / "t")
-    make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
-    base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "4,5,6", "--max-tokens", "16", "--json"]
+    base = cli_pair(tmp_path)
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5", "--trace"]) == 0
