@@ -55,8 +55,9 @@ def add_draft_precision_args(p: argparse.ArgumentParser) -> None:
     """--cpu-packed, --cpu-bf16-draft and --draft-vocab-size: cheaper steps, same outputs (shared by generate, serve,
     eval-draft)."""
     p.add_argument("--cpu-packed", action="store_true",
-                   help="CPU: pack the target's linears once for oneDNN, in its own dtype (plain and verify steps "
-                        "read the weights faster; a verify step of K + 1 rows costs about a 1-row one)")
+                   help="CPU: pack the target's (and the drafter's) linears once for oneDNN, in their own dtype "
+                        "(plain and verify steps read the weights faster; a verify step of K + 1 rows costs about a "
+                        "1-row one)")
     p.add_argument("--cpu-bf16-draft", action="store_true",
                    help="CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); "
                         "the target still verifies every draft in its own dtype, so outputs do not change")

@@ -88,7 +88,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
     draft = _load_bundled_draft(lm, num_draft_tokens, on_cpu, cpu_bf16) if model is None else None
     target = " (fp32, oneDNN-packed)" if packed else ""
-    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN-packed)' if cpu_bf16 else ''}" if draft else ""
+    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN-packed)' if cpu_bf16 else target}" if draft else ""
     print(f"loaded {lm.source.name}{target}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     plain = LLM.from_loaded(lm, None, max_num_seqs=1)
     spec = LLM.from_loaded(lm, draft, max_num_seqs=1) if draft is not None else None

@@ -38,7 +38,7 @@ needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu"
 def packed(draft: LoadedDraft, lm) -> LoadedDraft:
     """A packed copy of `draft` (the shared models are left as they are)."""
     model = copy.deepcopy(draft.model)
-    model.pack_cpu_bf16(lm.model.lm_head, draft.spec.draft_rows(draft.spec.num_draft_tokens))
+    model.pack_cpu(lm.model.lm_head, draft.spec.draft_rows(draft.spec.num_draft_tokens))
     return dataclasses.replace(draft, model=model)
 
 
@@ -75,11 +75,13 @@ def test_packed_linear_equals_f_linear_in_bf16(bias):
         assert close(m(x), ref, 2e-2)
 
 
-@needs_bf16
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_drafter_matches_the_unpacked_one(bias):
+def test_packed_drafter_matches_the_unpacked_one(bias, dtype):
     """Context k/v, the block forward and the logits of the packed model equal the fp32 model's within bf16
-    rounding; the q/k/v projections are gone (no unused packed copies), every other linear is packed once."""
+    rounding (fp32: within fp32 rounding); the q/k/v projections are gone (no unused packed copies), every other
+    linear is packed once; an fp32 drafter drafts through the (fp32) target head itself, not a copy."""
+    tol = 1.0 if dtype == torch.bfloat16 else 1e-4  # x the bf16 tolerances below
     pair = trained_pair()
     cfg = dataclasses.replace(pair.draft.config, attention_bias=bias, num_hidden_layers=2,
                               layer_causal=[False, False], layer_window=[None, None])
@@ -90,30 +92,31 @@ def test_packed_drafter_matches_the_unpacked_one(bias):
             p.add_(torch.randn_like(p) * 0.1)  # norms off 1, biases off 0
     model = copy.deepcopy(ref)
     head = pair.lm.model.lm_head
-    model.pack_cpu_bf16(head, rows_hint=8, vocab=40)
-    assert model.dtype == torch.bfloat16 and not any(type(m) is nn.Linear for m in model.modules())
+    model.pack_cpu(head, rows_hint=8, vocab=40, dtype=dtype)
+    assert model.dtype == dtype and not any(type(m) is nn.Linear for m in model.modules())
     for layer in model.layers:
         assert layer.self_attn.q_proj is None and layer.self_attn.k_proj is None and layer.self_attn.v_proj is None
-    # per layer q|k|v, o_proj, gate_up, down; fc; all layers' context k|v; the whole head; the 40-row head
-    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * 2 + 4
+    # per layer q|k|v, o_proj, gate_up, down; fc; all layers' context k|v; the whole head (bf16); the 40-row head
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * 2 + (4 if dtype == torch.bfloat16 else 3)
+    assert (model.draft_head is None) == (dtype == torch.float32)
     g = torch.Generator().manual_seed(1)
     H = cfg.hidden_size
     taps, pos = torch.randn(9, 2 * H, generator=g), torch.arange(9)
     with torch.inference_mode():
         for (k, v), (rk, rv) in zip(model.context_kv(taps, pos), ref.context_kv(taps, pos)):
-            assert k.dtype == torch.bfloat16 and close(k, rk, 3e-2) and close(v, rv, 3e-2)
+            assert k.dtype == dtype and close(k, rk, 3e-2 * tol) and close(v, rv, 3e-2 * tol)
 
         def attn(layer, q, k, v, scale, causal, window):  # the block sees itself only: enough to compare
             return attend(q, k, v, torch.ones(q.shape[0], k.shape[0], dtype=torch.bool), scale)
 
         embeds, bpos = torch.randn(8, H, generator=g), torch.arange(9, 17)
         hidden, ref_hidden = model(embeds, bpos, attn), ref(embeds, bpos, attn)
-        assert hidden.dtype == torch.bfloat16 and close(hidden, ref_hidden, 5e-2)
+        assert hidden.dtype == dtype and close(hidden, ref_hidden, 5e-2 * tol)
         logits = model.compute_logits(hidden, head)  # the packed whole head, not the 40-row one
         assert logits.dtype == torch.float32 and logits.shape == (8, head.out_features)
-        assert close(logits, ref.compute_logits(ref_hidden, head), 5e-2)
+        assert close(logits, ref.compute_logits(ref_hidden, head), 5e-2 * tol)
         drafts = model.greedy_drafts(hidden, head)
-        assert drafts.max() < 40 and torch.equal(drafts, model.draft_head(hidden)[:, :40].float().argmax(-1))
+        assert drafts.max() < 40 and torch.equal(drafts, logits[:, :40].argmax(-1))
 
 
 @needs_bf16

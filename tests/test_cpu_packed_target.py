@@ -76,8 +76,9 @@ def packed_pair(tmp_path_factory):
 
 @pytest.mark.parametrize("drafter", ["fp32", "fp32-vocab", "bf16", "bf16-vocab"])
 def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
-    """Plain greedy of the packed target = of the unpacked one; speculative decoding over the packed target (engine
-    decode step, varlen step, single-request loop) emits the same tokens, and the trained drafter is accepted."""
+    """Plain greedy of the packed target = of the unpacked one; speculative decoding over the packed target and its
+    packed drafter (engine decode step, varlen step, single-request loop) emits the same tokens, and the trained
+    drafter is accepted."""
     if drafter.startswith("bf16") and not bf16_cpu:
         pytest.skip("this CPU has no oneDNN bf16 kernels")
     pair, lm, draft_dir = packed_pair
@@ -87,6 +88,9 @@ def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
     spec = SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=5, cpu_bf16_draft=drafter.startswith("bf16"),
                              draft_vocab_size=50 if drafter.endswith("vocab") else None)
     draft = load_draft(spec, lm)
+    # the drafter of a packed target is packed too, in its own dtype (fp32 here unless --cpu-bf16-draft)
+    assert draft.model.ctx_kv_packed is not None and not any(type(m) is nn.Linear for m in draft.model.modules())
+    assert draft.model.dtype == (torch.bfloat16 if spec.cpu_bf16_draft else torch.float32)
     out = spec_generate(lm, draft, prompts[0], greedy(40))
     assert out.token_ids == refs[0]
     assert sum(out.acceptance_lengths) / len(out.acceptance_lengths) > 3.0, out.acceptance_lengths

@@ -97,7 +97,8 @@ def test_demo_fp32_draft_keeps_the_drafter_in_fp32(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(bundled_draft, "BUNDLED_DRAFT_DIR", tmp_path / "d")
     assert main(["demo", "--max-tokens", "2", "--fp32-draft"]) == 0
     err = capsys.readouterr().err
-    assert "+ the bundled DFlash drafter in " in err
+    packed = " (fp32, oneDNN-packed)" if cpu_packed.fp32_supported(torch.device("cpu")) else ""
+    assert f"+ the bundled DFlash drafter{packed} in " in err
     if cpu_packed.bf16_supported(torch.device("cpu")):
         assert main(["demo", "--max-tokens", "2"]) == 0
         assert "+ the bundled DFlash drafter (bf16, oneDNN-packed) in " in capsys.readouterr().err

@@ -23,6 +23,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     stop_token_ids: list[int]  # from generation_config, config and tokenizer
     source: ModelSource
+    cpu_packed: bool = False  # the linears are packed for oneDNN (load_model(cpu_packed=True)); the drafter follows
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -92,4 +93,4 @@ def load_model(src: str | None, device: str | None = None, dtype: str | None = N
     if cpu_packed:
         packed_linears.pack_target(model)
     tok = source.load_tokenizer() if with_tokenizer else None
-    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source)
+    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, cpu_packed)

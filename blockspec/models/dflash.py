@@ -4,7 +4,7 @@ A Qwen3-style stack whose attention takes Q from the block only and K/V from [co
 (the target's tapped residual streams) go through fc -> hidden_norm once, then each layer's own k_proj/v_proj; those
 context K/V depend only on committed tokens, so they are computed once per token and cached. Block K/V live for one
 pass. The draft has no embedding or lm_head: the target's are passed in (or copies of the latter made at load: the
-packed bf16 head of the CPU fast path, the smaller head of draft_vocab_size)."""
+packed head of the CPU fast path, the smaller head of draft_vocab_size)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class DFlashAttention(nn.Module):
         self.window = cfg.layer_window[layer_idx]
         self.scale = self.head_dim**-0.5
         self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, H] once fuse_qkv() ran (inference, GPU)
-        self.qkv_packed: PackedLinear | None = None  # q|k|v in one packed bf16 linear once pack_cpu_bf16() ran
+        self.qkv_packed: PackedLinear | None = None  # q|k|v in one packed linear once pack_cpu() ran
         self.qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D]: q_norm's weight per q head, then k_norm's
 
     def fuse_qkv(self) -> None:
@@ -65,12 +65,12 @@ class DFlashAttention(nn.Module):
             p.weight = nn.Parameter(part, requires_grad=False)
         self.qkv_weight = w
 
-    def pack_cpu_bf16(self, rows_hint: int) -> None:
-        """CPU inference (DFlashDraftModel.pack_cpu_bf16, on bf16 weights): q/k/v as one packed GEMM. q_proj, k_proj
-        and v_proj are dropped: the block uses the packed GEMM, the context k/v the model's all-layer one."""
+    def pack_cpu(self, rows_hint: int, dtype: torch.dtype) -> None:
+        """CPU inference (DFlashDraftModel.pack_cpu): q/k/v as one packed GEMM. q_proj, k_proj and v_proj are
+        dropped: the block uses the packed GEMM, the context k/v the model's all-layer one."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        self.qkv_packed = PackedLinear(torch.cat([p.weight for p in projs]), bias, rows_hint)
+        self.qkv_packed = PackedLinear(torch.cat([p.weight for p in projs]), bias, rows_hint, dtype)
         D = self.head_dim
         self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.num_heads, D),
                                          self.k_norm.weight.detach().expand(self.num_kv_heads, D)])
@@ -78,7 +78,7 @@ class DFlashAttention(nn.Module):
 
     def _qkv_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The CPU bf16 path: one GEMM, then one norm and one rotary over the q and k heads together (per head the
+        """The CPU packed path: one GEMM, then one norm and one rotary over the q and k heads together (per head the
         same arithmetic as q_norm / k_norm and apply_rotary, in fewer eager ops)."""
         T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_packed(x)
@@ -167,12 +167,12 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # Inference copies of the target's lm_head, made at load (None: drafts use the target's own head):
-        self.draft_head: nn.Module | None = None  # the whole head (pack_cpu_bf16: packed bf16)
+        self.draft_head: nn.Module | None = None  # the whole head (pack_cpu in another dtype than the target's)
         self.greedy_head: nn.Module | None = None  # argmax drafts: the first draft_vocab_size rows only
-        # pack_cpu_bf16: every layer's context k|v in one packed GEMM, and the layers' k_norm weights [L, 1, D]
+        # pack_cpu: every layer's context k|v in one packed GEMM, and the layers' k_norm weights [L, 1, D]
         self.ctx_kv_packed: PackedLinear | None = None
         self.ctx_k_norm_weight: torch.Tensor | None = None
-        # inputs (taps, embeddings) are cast to this dtype (pack_cpu_bf16: bf16 under an fp32 target); None: used as
+        # inputs (taps, embeddings) are cast to this dtype (pack_cpu: e.g. bf16 under an fp32 target); None: used as
         # given (training passes its autocast dtype and must keep it)
         self.input_dtype: torch.dtype | None = None
 
@@ -182,24 +182,26 @@ class DFlashDraftModel(nn.Module):
         return self.norm.weight.dtype
 
     @torch.no_grad()
-    def pack_cpu_bf16(self, lm_head: nn.Linear, rows_hint: int, vocab: int | None = None) -> None:
-        """CPU inference, once at load: bf16 weights with every linear packed for oneDNN (layers/cpu_packed.py), q/k/v
-        of each layer in one GEMM, the context k/v of all layers in one GEMM, and packed bf16 copies of the target's
-        lm_head for the drafts (the target keeps its own fp32 head to verify): the whole head for compute_logits,
-        its first `vocab` rows for argmax drafts when given. rows_hint: rows of a draft block. Not undone."""
-        self.to(torch.bfloat16)
+    def pack_cpu(self, lm_head: nn.Module, rows_hint: int, vocab: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """CPU inference, once at load: weights in `dtype` with every linear packed for oneDNN (layers/cpu_packed.py),
+        q/k/v of each layer in one GEMM, the context k/v of all layers in one GEMM; for the drafts a packed copy of
+        the target's lm_head when `dtype` is not the head's own (the target keeps its head to verify), and of its
+        first `vocab` rows for argmax drafts when given. rows_hint: rows of a draft block. Not undone."""
+        self.to(dtype)
         attns = [layer.self_attn for layer in self.layers]
         kv = [p for a in attns for p in (a.k_proj, a.v_proj)]
         bias = None if kv[0].bias is None else torch.cat([p.bias for p in kv])
-        self.ctx_kv_packed = PackedLinear(torch.cat([p.weight for p in kv]), bias, rows_hint)
+        self.ctx_kv_packed = PackedLinear(torch.cat([p.weight for p in kv]), bias, rows_hint, dtype)
         self.ctx_k_norm_weight = torch.stack([a.k_norm.weight.detach() for a in attns])[:, None]
         for a in attns:
-            a.pack_cpu_bf16(rows_hint)
-        pack_linears(self, rows_hint)  # fc, o_proj, the MLPs
-        self.draft_head = PackedLinear.from_linear(lm_head, rows_hint)
+            a.pack_cpu(rows_hint, dtype)
+        pack_linears(self, rows_hint, dtype)  # fc, o_proj, the MLPs
+        if lm_head.weight.dtype != dtype:  # else the target's own head serves (compute_logits' fallback)
+            self.draft_head = PackedLinear.from_linear(lm_head, rows_hint, dtype)
         if vocab is not None:
-            self.greedy_head = PackedLinear(lm_head.weight[:vocab], None, rows_hint)
-        self.input_dtype = torch.bfloat16
+            self.greedy_head = PackedLinear(lm_head.weight[:vocab], None, rows_hint, dtype)
+        self.input_dtype = dtype
 
     def set_draft_vocab(self, lm_head: nn.Linear, n: int) -> None:
         """Argmax drafts over the token ids < n only (SpeculativeConfig.draft_vocab_size), through a view of the
@@ -218,7 +220,7 @@ class DFlashDraftModel(nn.Module):
             taps = taps.to(self.input_dtype)
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        if self.ctx_kv_packed is not None:  # CPU bf16 (`paged` is for the fused GPU prologue only)
+        if self.ctx_kv_packed is not None:  # CPU packed (`paged` is for the fused GPU prologue only)
             return self._context_kv_packed(ctx, cos, sin)
         return [layer.self_attn.kv(ctx, cos, sin, paged(i) if paged is not None else None)
                 for i, layer in enumerate(self.layers)]
