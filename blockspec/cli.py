@@ -44,16 +44,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-block-drafting", action="store_true",
                    help="draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 "
                         "is below the block size and drafting is cheap next to verifying)")
-    add_draft_precision_args(p)
+    add_speed_args(p)
     p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
     from blockspec.distributed.cli import add_tp_arg
 
     add_tp_arg(p)
 
 
-def add_draft_precision_args(p: argparse.ArgumentParser) -> None:
-    """--cpu-packed, --cpu-bf16-draft and --draft-vocab-size: cheaper steps, same outputs (shared by generate, serve,
-    eval-draft)."""
+def add_speed_args(p: argparse.ArgumentParser) -> None:
+    """--cpu-packed, --cpu-bf16-draft and --draft-vocab-size: cheaper steps, same precision of the target (shared by
+    generate, bench, serve, chat and eval-draft)."""
     p.add_argument("--cpu-packed", action="store_true",
                    help="CPU: pack the target's (and the drafter's) linears once for oneDNN, in their own dtype "
                         "(plain and verify steps read the weights faster; a verify step of K + 1 rows costs about a "
@@ -193,7 +193,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--full-block-drafting", action="store_true", help="as in generate")
-    add_draft_precision_args(p)
+    add_speed_args(p)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true")
@@ -206,6 +206,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from blockspec.bench.offline import bench, synthetic_prompts
     from blockspec.loading.loader import load_model
 
+    if args.draft is None and (args.num_draft_tokens is not None or args.full_block_drafting or args.cpu_bf16_draft
+                               or args.draft_vocab_size is not None):
+        raise BlockspecError("--num-draft-tokens, --full-block-drafting, --cpu-bf16-draft and --draft-vocab-size "
+                             "need --draft")
     if args.tensor_parallel_size > 1:
         from blockspec.distributed.cli import bench_tp
 

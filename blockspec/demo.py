@@ -79,7 +79,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     assert lm.tokenizer is not None
     if num_draft_tokens is None and on_cpu:
         # the drafter's 16-row pass is paid every step whatever K is, so K is where more drafts stop paying for
-        # themselves: K = 3, 4 and 5 measure within 2 % of each other here (docs/perf.md)
+        # themselves: K = 3, 4 and 5 measure within run-to-run noise of each other here (docs/perf.md)
         num_draft_tokens = CPU_DRAFT_TOKENS
     # on a CPU with bf16 units the drafter runs in bf16 on weights packed once for oneDNN (a cheaper spec step): the
     # fp32 target verifies every draft, so the outputs stay those of plain fp32 decoding

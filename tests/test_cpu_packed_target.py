@@ -18,8 +18,9 @@ from blockspec.config import SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.generate import generate
 from blockspec.layers import cpu_packed
-from blockspec.layers.cpu_packed import PackedLinear, pack_target
+from blockspec.layers.cpu_packed import PackedLinear, pack_linears, pack_target
 from blockspec.llm import LLM
+from blockspec.loading import draft_loader
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
@@ -31,23 +32,36 @@ from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
 pytestmark = pytest.mark.skipif(not cpu_packed.fp32_supported(torch.device("cpu")), reason="torch without oneDNN")
 bf16_cpu = cpu_packed.bf16_supported(torch.device("cpu"))
+needs_bf16 = pytest.mark.skipif(not bf16_cpu, reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_fp32_linear_equals_f_linear(bias):
+def test_packed_linear_equals_f_linear(bias, dtype):
+    """F.linear in `dtype` at any row count and leading dims (fp32 input cast inside); pack_linears replaces every
+    nn.Linear below a module, nested ones included, and nothing else."""
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(48, 80, bias=bias)
-    p = PackedLinear.from_linear(lin, rows_hint=16, dtype=torch.float32)
-    assert not hasattr(p, "weight")  # the fp32 original is not kept unless asked
-    for shape in [(1, 48), (3, 48), (16, 48), (37, 48), (2, 5, 48), (0, 48)]:  # any row count, any leading dims
+    p = PackedLinear.from_linear(lin, dtype, 16)
+    assert not hasattr(p, "weight")  # the original is not kept unless asked
+    w, b = lin.weight.detach().to(dtype), lin.bias.detach().to(dtype) if bias else None
+    for shape in [(1, 48), (3, 48), (16, 48), (37, 48), (2, 5, 48), (0, 48)]:
         x = torch.randn(*shape, generator=g)
         y = p(x)
-        assert y.dtype == torch.float32 and y.shape == (*shape[:-1], 80)
-        torch.testing.assert_close(y, F.linear(x, lin.weight.detach(), lin.bias), rtol=1e-5, atol=1e-5)
+        assert y.dtype == dtype and y.shape == (*shape[:-1], 80)
+        torch.testing.assert_close(y.float(), F.linear(x.to(dtype), w, b).float(), rtol=tol, atol=tol)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
+    x = torch.randn(5, 8, generator=g)
+    with torch.no_grad():
+        ref = m[1](m[0](x.to(dtype).float()).to(dtype).float())
+        pack_linears(m, dtype, 16)
+        assert [type(c).__name__ for c in (m[0], *m[1])] == ["PackedLinear", "ReLU", "PackedLinear"]
+        torch.testing.assert_close(m(x).float(), ref, rtol=2 * tol, atol=2 * tol)
 
 
 def test_pack_target_replaces_every_linear_and_keeps_the_head_weight(tmp_path):
@@ -113,13 +127,20 @@ def test_cli_generate_and_bench_flags(tmp_path, capsys, monkeypatch):
         assert isinstance(packed.pop().lm_head, PackedLinear) and not packed
     bench = ["bench", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--num-draft-tokens", "3",
              "--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "8", "--device", "cpu", "--json"]
-    assert main(bench + ["--cpu-packed", "--full-block-drafting"]) == 0
+    drafts = []  # what bench's load_draft returned: the flags must reach the drafter
+    monkeypatch.setattr(draft_loader, "load_draft", lambda *a, f=load_draft: drafts.append(f(*a)) or drafts[-1])
+    extra = ["--cpu-bf16-draft"] if bf16_cpu else []
+    assert main(bench + ["--cpu-packed", "--full-block-drafting", "--draft-vocab-size", "64", *extra]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["outputs_identical"] is True and report["config"]["cpu_packed"] is True
-    assert report["config"]["full_block_drafting"] is True
     assert isinstance(packed.pop().lm_head, PackedLinear) and not packed
+    (draft,) = drafts
+    assert draft.spec.draft_rows(3) == 8 and draft.model.greedy_head.out_features == 64
+    assert draft.model.dtype == (torch.bfloat16 if bf16_cpu else torch.float32)
     assert main(base + ["--cpu-packed", "--tensor-parallel-size", "2"]) == 2
-    assert "--cpu-packed is not supported with --tensor-parallel-size" in capsys.readouterr().err
+    assert "cpu_packed=True is not supported with tensor_parallel_size > 1" in capsys.readouterr().err
+    assert main(bench[:3] + ["--cpu-bf16-draft"]) == 2  # a drafter flag without a drafter
+    assert "--cpu-bf16-draft and --draft-vocab-size need --draft" in capsys.readouterr().err
 
 
 def test_cpu_packed_errors_name_the_flag(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ def limited(draft: LoadedDraft, lm, n: int, head: str) -> LoadedDraft:
     """A copy of `draft` whose argmax drafts are over token ids < n (fp32 view of the head, or packed bf16)."""
     model = copy.deepcopy(draft.model)
     if head == "bf16":
-        model.pack_cpu(lm.model.lm_head, rows_hint=8, vocab=n)
+        model.pack_cpu(lm.model.lm_head, torch.bfloat16, 8, vocab=n)
     else:
         model.set_draft_vocab(lm.model.lm_head, n)
     return dataclasses.replace(draft, model=model)

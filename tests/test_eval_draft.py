@@ -173,19 +173,22 @@ def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, c
 
 @pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
                     reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
-def test_eval_draft_cpu_bf16_draft_and_draft_vocab(pair_dirs, tmp_path, capsys):
-    """--cpu-bf16-draft --draft-vocab-size reach the drafter: outputs still equal plain decoding, and the report and
-    its table say which drafter ran."""
+def test_eval_draft_cpu_bf16_draft_and_draft_vocab(pair_dirs, tmp_path, capsys, monkeypatch):
+    """--cpu-packed --cpu-bf16-draft --draft-vocab-size reach the target and the drafter: outputs still equal plain
+    decoding, and the report and its table say what ran."""
     target, draft_dir = pair_dirs
+    packed = []
+    monkeypatch.setattr(cpu_packed, "pack_target", lambda m, f=cpu_packed.pack_target: packed.append(m) or f(m))
     rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "mtbench",
                               "--limit", "2", "--max-tokens", "24", "--num-draft-tokens", "3", "--cpu-bf16-draft",
-                              "--draft-vocab-size", "40", "--out-dir", str(tmp_path), "--json")
+                              "--draft-vocab-size", "40", "--cpu-packed", "--out-dir", str(tmp_path), "--json")
     assert rc == 0, err
+    assert len(packed) == 1  # the target eval-draft decoded with was packed
     report = json.loads(out.strip().splitlines()[-1])
     assert report["outputs_identical"] is True and report["mean_acceptance_length"] > 1.5
-    assert report["cpu_bf16_draft"] is True and report["draft_vocab_size"] == 40
+    assert report["cpu_bf16_draft"] is True and report["draft_vocab_size"] == 40 and report["cpu_packed"] is True
     assert _table_header(report) == ("eval-draft mtbench: 2 prompts, max 24 new tokens, temperature 0.0, K=3 "
-                                     "(bf16 CPU drafter, draft vocab 40), batch 1")
+                                     "(packed CPU target, bf16 CPU drafter, draft vocab 40), batch 1")
 
 
 def _table_header(report: dict) -> str:

@@ -25,10 +25,7 @@ def _llm(args: argparse.Namespace):
                                  full_block_drafting=getattr(args, "full_block_drafting", False),
                                  cpu_bf16_draft=getattr(args, "cpu_bf16_draft", False),
                                  draft_vocab_size=getattr(args, "draft_vocab_size", None))
-    if getattr(args, "cpu_packed", False):
-        raise BlockspecError("--cpu-packed is not supported with --tensor-parallel-size (packed linears cannot be "
-                             "sharded)")
-    return LLM(args.model, spec, device=args.device, dtype=args.dtype,
+    return LLM(args.model, spec, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
                tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_batch_size,
                enforce_eager=getattr(args, "enforce_eager", False))
 

@@ -22,9 +22,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
     p.add_argument("--full-block-drafting", action="store_true",
                    help="draft the trained block size and verify the first K drafts (pays at small K)")
-    from blockspec.cli import add_draft_precision_args
+    from blockspec.cli import add_speed_args
 
-    add_draft_precision_args(p)
+    add_speed_args(p)
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

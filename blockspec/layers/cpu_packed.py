@@ -33,8 +33,8 @@ class PackedLinear(nn.Module):
     float dtype is cast to `dtype`, y is `dtype` [..., out]. keep_weight: `.weight` stays the original parameter
     (for readers of it such as the drafter's copy of a target lm_head; a tied head's is the embedding's anyway)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 16,
-                 dtype: torch.dtype = torch.bfloat16, keep_weight: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rows_hint: int,
+                 keep_weight: bool = False) -> None:
         super().__init__()
         w = weight.detach().to(dtype).contiguous()
         self.out_features, self.in_features = w.shape
@@ -47,9 +47,9 @@ class PackedLinear(nn.Module):
             self.weight = weight
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, rows_hint: int = 16, dtype: torch.dtype = torch.bfloat16,
-                    keep_weight: bool = False) -> "PackedLinear":
-        return cls(linear.weight, linear.bias, rows_hint, dtype, keep_weight)
+    def from_linear(cls, linear: nn.Module, dtype: torch.dtype, rows_hint: int, keep_weight: bool = False
+                    ) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, dtype, rows_hint, keep_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -62,20 +62,20 @@ class PackedLinear(nn.Module):
                 f"dtype={self.dtype}")
 
 
-def pack_linears(module: nn.Module, rows_hint: int = 16, dtype: torch.dtype = torch.bfloat16,
-                 keep_weight: tuple[str, ...] = ()) -> None:
-    """Replace every nn.Linear under `module`, in place, by a PackedLinear in `dtype` (subclasses, e.g.
-    tensor-parallel shards, are left alone). keep_weight: names (e.g. "lm_head") whose `.weight` stays readable."""
+def pack_linears(module: nn.Module, dtype: torch.dtype, rows_hint: int, keep_weight: tuple[str, ...] = ()) -> None:
+    """Replace every module under `module` whose type is exactly nn.Linear, in place, by a PackedLinear in `dtype`.
+    keep_weight: names (e.g. "lm_head") whose `.weight` stays readable."""
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear:
-            setattr(module, name, PackedLinear.from_linear(child, rows_hint, dtype, name in keep_weight))
+            setattr(module, name, PackedLinear.from_linear(child, dtype, rows_hint, name in keep_weight))
         else:
-            pack_linears(child, rows_hint, dtype, keep_weight)
+            pack_linears(child, dtype, rows_hint, keep_weight)
 
 
 def pack_target(model: nn.Module) -> None:
     """CPU inference, once at load: every linear of a target model packed for oneDNN in the model's own dtype, so the
-    numbers stay the target's precision (only the summation order of its GEMMs changes). The lm_head keeps
-    `.weight` for the drafter, which reads it. Not undone; the original linear weights are freed."""
+    numbers stay the target's precision (only the summation order of its GEMMs changes). Not undone. The original
+    weights are freed, except the lm_head's, which the drafter reads: a tied head's is the embedding anyway, an
+    untied head's stays next to its packed copy."""
     dtype = next(model.parameters()).dtype
-    pack_linears(model, TARGET_ROWS_HINT, dtype, keep_weight=("lm_head",))
+    pack_linears(model, dtype, TARGET_ROWS_HINT, keep_weight=("lm_head",))

@@ -41,8 +41,8 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     load_weights(model, source.tensors(), where, prefix="")
     lm_head = target.model.lm_head
     if spec.cpu_bf16_draft or target.cpu_packed:  # a packed target's drafter is packed too, in its dtype
-        model.pack_cpu(lm_head, rows_hint=resolved.draft_rows(resolved.num_draft_tokens),
-                       vocab=spec.draft_vocab_size, dtype=torch.bfloat16 if spec.cpu_bf16_draft else param.dtype)
+        model.pack_cpu(lm_head, torch.bfloat16 if spec.cpu_bf16_draft else param.dtype,
+                       resolved.draft_rows(resolved.num_draft_tokens), vocab=spec.draft_vocab_size)
     elif spec.draft_vocab_size is not None:
         model.set_draft_vocab(lm_head, spec.draft_vocab_size)
     return LoadedDraft(model.eval(), cfg, resolved)

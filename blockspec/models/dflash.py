@@ -70,7 +70,7 @@ class DFlashAttention(nn.Module):
         dropped: the block uses the packed GEMM, the context k/v the model's all-layer one."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        self.qkv_packed = PackedLinear(torch.cat([p.weight for p in projs]), bias, rows_hint, dtype)
+        self.qkv_packed = PackedLinear(torch.cat([p.weight for p in projs]), bias, dtype, rows_hint)
         D = self.head_dim
         self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.num_heads, D),
                                          self.k_norm.weight.detach().expand(self.num_kv_heads, D)])
@@ -182,25 +182,24 @@ class DFlashDraftModel(nn.Module):
         return self.norm.weight.dtype
 
     @torch.no_grad()
-    def pack_cpu(self, lm_head: nn.Module, rows_hint: int, vocab: int | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+    def pack_cpu(self, lm_head: nn.Module, dtype: torch.dtype, rows_hint: int, vocab: int | None = None) -> None:
         """CPU inference, once at load: weights in `dtype` with every linear packed for oneDNN (layers/cpu_packed.py),
         q/k/v of each layer in one GEMM, the context k/v of all layers in one GEMM; for the drafts a packed copy of
-        the target's lm_head when `dtype` is not the head's own (the target keeps its head to verify), and of its
-        first `vocab` rows for argmax drafts when given. rows_hint: rows of a draft block. Not undone."""
+        the target's lm_head unless the head is already packed in `dtype` (the target keeps its head to verify), and
+        of its first `vocab` rows for argmax drafts when given. rows_hint: rows of a draft block. Not undone."""
         self.to(dtype)
         attns = [layer.self_attn for layer in self.layers]
         kv = [p for a in attns for p in (a.k_proj, a.v_proj)]
         bias = None if kv[0].bias is None else torch.cat([p.bias for p in kv])
-        self.ctx_kv_packed = PackedLinear(torch.cat([p.weight for p in kv]), bias, rows_hint, dtype)
+        self.ctx_kv_packed = PackedLinear(torch.cat([p.weight for p in kv]), bias, dtype, rows_hint)
         self.ctx_k_norm_weight = torch.stack([a.k_norm.weight.detach() for a in attns])[:, None]
         for a in attns:
             a.pack_cpu(rows_hint, dtype)
-        pack_linears(self, rows_hint, dtype)  # fc, o_proj, the MLPs
-        if lm_head.weight.dtype != dtype:  # else the target's own head serves (compute_logits' fallback)
-            self.draft_head = PackedLinear.from_linear(lm_head, rows_hint, dtype)
+        pack_linears(self, dtype, rows_hint)  # fc, o_proj, the MLPs
+        if not (isinstance(lm_head, PackedLinear) and lm_head.dtype == dtype):  # else the target's head serves
+            self.draft_head = PackedLinear.from_linear(lm_head, dtype, rows_hint)
         if vocab is not None:
-            self.greedy_head = PackedLinear(lm_head.weight[:vocab], None, rows_hint, dtype)
+            self.greedy_head = PackedLinear(lm_head.weight[:vocab], None, dtype, rows_hint)
         self.input_dtype = dtype
 
     def set_draft_vocab(self, lm_head: nn.Linear, n: int) -> None:

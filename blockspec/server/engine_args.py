@@ -25,9 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probabilistic-drafting", action="store_true", help="sample drafts and use p/q rejection")
     p.add_argument("--full-block-drafting", action="store_true",
                    help="draft with the drafter's trained block size, verify the first K drafts")
-    from blockspec.cli import add_draft_precision_args
+    from blockspec.cli import add_speed_args
 
-    add_draft_precision_args(p)
+    add_speed_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     for name, (kind, help_text) in _ENGINE_FLAGS.items():
