@@ -6,9 +6,12 @@ import argparse
 import json
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from blockspec.errors import BlockspecError
+
+if TYPE_CHECKING:
+    from blockspec.config import SpeculativeConfig
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -65,6 +68,27 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
                    help="argmax drafts over token ids < N only (a smaller draft head; outputs do not change)")
 
 
+# the drafter flags a command may register, with their defaults (SpeculativeConfig fields of the same names)
+_DRAFT_FLAGS = {"num_draft_tokens": None, "probabilistic_drafting": False, "full_block_drafting": False,
+                "cpu_bf16_draft": False, "draft_vocab_size": None, "trace": False}
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of --draft and the drafter flags this command registered; None without --draft, where
+    any drafter flag given is an error that names it."""
+    given = {k: getattr(args, k) for k, default in _DRAFT_FLAGS.items() if getattr(args, k, default) != default}
+    if args.draft is None:
+        if given:
+            names = [f"--{k.replace('_', '-')}" for k in given]
+            listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+            raise BlockspecError(f"{listed} need{'s' if len(names) == 1 else ''} --draft")
+        return None
+    from blockspec.config import SpeculativeConfig
+
+    given.pop("trace", None)  # a report option, not a drafter setting
+    return SpeculativeConfig(draft_model=args.draft, **given)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockspec.generate import generate_stream, stop_set
     from blockspec.loading.loader import load_model
@@ -74,25 +98,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
+    spec = speculative_config(args)
     if args.tensor_parallel_size > 1:
         from blockspec.distributed.cli import generate_tp
 
         return generate_tp(args, params)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed)
     session, draft = None, None
-    if args.draft is not None:
-        from blockspec.config import SpeculativeConfig
+    if spec is not None:
         from blockspec.loading.draft_loader import load_draft
 
-        draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
-                                             probabilistic_drafting=args.probabilistic_drafting,
-                                             full_block_drafting=args.full_block_drafting,
-                                             cpu_bf16_draft=args.cpu_bf16_draft,
-                                             draft_vocab_size=args.draft_vocab_size), lm)
-    elif (args.num_draft_tokens is not None or args.probabilistic_drafting or args.trace or args.full_block_drafting
-          or args.cpu_bf16_draft or args.draft_vocab_size is not None):
-        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting, --full-block-drafting, --cpu-bf16-draft, "
-                             "--draft-vocab-size and --trace need --draft")
+        draft = load_draft(spec, lm)
     tok = lm.tokenizer
     if args.prompts_file is not None:
         from blockspec.batch_cli import run_prompts_file
@@ -206,10 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from blockspec.bench.offline import bench, synthetic_prompts
     from blockspec.loading.loader import load_model
 
-    if args.draft is None and (args.num_draft_tokens is not None or args.full_block_drafting or args.cpu_bf16_draft
-                               or args.draft_vocab_size is not None):
-        raise BlockspecError("--num-draft-tokens, --full-block-drafting, --cpu-bf16-draft and --draft-vocab-size "
-                             "need --draft")
+    spec = speculative_config(args)
     if args.tensor_parallel_size > 1:
         from blockspec.distributed.cli import bench_tp
 
@@ -218,14 +231,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False,
                         cpu_packed=args.cpu_packed)
         draft = None
-        if args.draft:
-            from blockspec.config import SpeculativeConfig
+        if spec is not None:
             from blockspec.loading.draft_loader import load_draft
 
-            draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
-                                                 full_block_drafting=args.full_block_drafting,
-                                                 cpu_bf16_draft=args.cpu_bf16_draft,
-                                                 draft_vocab_size=args.draft_vocab_size), lm)
+            draft = load_draft(spec, lm)
         prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
         report = bench(lm, draft, prompts, args.max_tokens, max_num_seqs=args.max_batch_size,
                        enforce_eager=args.enforce_eager)

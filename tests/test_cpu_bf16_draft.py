@@ -161,7 +161,10 @@ def test_cli_generate_with_cpu_bf16_draft(tmp_path, capsys):
         if "--draft-vocab-size" in extra:
             assert all(t < 64 for s in out["steps"] for t in s["draft"])
     assert main(base + ["--cpu-bf16-draft"]) == 2
-    assert "--cpu-bf16-draft, --draft-vocab-size and --trace need --draft" in capsys.readouterr().err
+    assert capsys.readouterr().err == "blockspec: error: --cpu-bf16-draft needs --draft\n"
+    assert main(base + ["--trace", "--num-draft-tokens", "3", "--probabilistic-drafting"]) == 2
+    assert capsys.readouterr().err == ("blockspec: error: --num-draft-tokens, --probabilistic-drafting and --trace need "
+                                       "--draft\n")
 
 
 def test_cpu_bf16_draft_errors_name_the_flag(tiny_pair, monkeypatch):

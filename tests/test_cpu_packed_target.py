@@ -140,7 +140,9 @@ def test_cli_generate_and_bench_flags(tmp_path, capsys, monkeypatch):
     assert main(base + ["--cpu-packed", "--tensor-parallel-size", "2"]) == 2
     assert "cpu_packed=True is not supported with tensor_parallel_size > 1" in capsys.readouterr().err
     assert main(bench[:3] + ["--cpu-bf16-draft"]) == 2  # a drafter flag without a drafter
-    assert "--cpu-bf16-draft and --draft-vocab-size need --draft" in capsys.readouterr().err
+    assert capsys.readouterr().err == "blockspec: error: --cpu-bf16-draft needs --draft\n"
+    assert main(bench[:3] + ["--draft-vocab-size", "8", "--full-block-drafting"]) == 2
+    assert capsys.readouterr().err == "blockspec: error: --full-block-drafting and --draft-vocab-size need --draft\n"
 
 
 def test_cpu_packed_errors_name_the_flag(tmp_path, monkeypatch):

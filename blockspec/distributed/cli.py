@@ -15,17 +15,10 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _llm(args: argparse.Namespace):
-    from blockspec.config import SpeculativeConfig
+    from blockspec.cli import speculative_config
     from blockspec.llm import LLM
 
-    spec = None
-    if args.draft is not None:
-        spec = SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens,
-                                 probabilistic_drafting=getattr(args, "probabilistic_drafting", False),
-                                 full_block_drafting=getattr(args, "full_block_drafting", False),
-                                 cpu_bf16_draft=getattr(args, "cpu_bf16_draft", False),
-                                 draft_vocab_size=getattr(args, "draft_vocab_size", None))
-    return LLM(args.model, spec, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
+    return LLM(args.model, speculative_config(args), device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
                tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_batch_size,
                enforce_eager=getattr(args, "enforce_eager", False))
 

@@ -48,18 +48,10 @@ def model_source(args: argparse.Namespace) -> str | None:
 
 def build_llm(args: argparse.Namespace):
     """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags."""
-    from blockspec.errors import BlockspecError
+    from blockspec.cli import speculative_config
     from blockspec.llm import LLM
 
-    spec = None
-    if args.draft is not None:
-        spec = {"draft_model": args.draft, "num_draft_tokens": args.num_draft_tokens,
-                "probabilistic_drafting": args.probabilistic_drafting, "full_block_drafting": args.full_block_drafting,
-                "cpu_bf16_draft": args.cpu_bf16_draft, "draft_vocab_size": args.draft_vocab_size}
-    elif (args.num_draft_tokens is not None or args.probabilistic_drafting or args.full_block_drafting
-          or args.cpu_bf16_draft or args.draft_vocab_size is not None):
-        raise BlockspecError("--num-draft-tokens, --probabilistic-drafting, --full-block-drafting, --cpu-bf16-draft "
-                             "and --draft-vocab-size need --draft")
+    spec = speculative_config(args)
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False
