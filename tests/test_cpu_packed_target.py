@@ -154,5 +154,24 @@ def test_cpu_packed_errors_name_the_flag(tmp_path, monkeypatch):
         LLM(str(tmp_path / "t"), device="cpu", cpu_packed=True, tensor_parallel_size=2)
     monkeypatch.setattr(cpu_packed, "fp32_supported", lambda device: False)
     with pytest.raises(BlockspecError, match=r"^cpu_packed=True \(--cpu-packed\) needs a CPU with oneDNN, but this "
-                                             r"torch build has no oneDNN \(mkldnn\)$"):
+                                             r"torch build cannot pack linears for oneDNN \(mkldnn\)$"):
         load_model(str(tmp_path / "t"), device="cpu", cpu_packed=True)
+
+
+def test_support_probe_says_no_where_the_ops_fail(monkeypatch):
+    """A torch build whose oneDNN lacks the packing ops reports no support (the demo then runs F.linear) instead of
+    failing at load."""
+    class NoPacking:
+        def _reorder_linear_weight(self, *args):
+            raise RuntimeError("mkldnn linear packing is not available on this build")
+
+    cpu = torch.device("cpu")
+    cpu_packed._packs.cache_clear()
+    try:
+        monkeypatch.setattr(torch.ops, "mkldnn", NoPacking())
+        assert not cpu_packed.fp32_supported(cpu) and not cpu_packed.bf16_supported(cpu)
+        monkeypatch.undo()
+        cpu_packed._packs.cache_clear()
+        assert cpu_packed.fp32_supported(cpu)  # this build packs (the module's skip mark says so)
+    finally:
+        cpu_packed._packs.cache_clear()

@@ -10,6 +10,8 @@ the CPU)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -20,12 +22,26 @@ TARGET_ROWS_HINT = 16
 
 def fp32_supported(device: torch.device) -> bool:
     """Whether `device` is a CPU with oneDNN (fp32 packed linears)."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and _packs(torch.float32)
 
 
 def bf16_supported(device: torch.device) -> bool:
     """Whether `device` is a CPU with oneDNN bf16 kernels (AVX512-BF16 or AMX)."""
-    return fp32_supported(device) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (fp32_supported(device) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and _packs(torch.bfloat16))
+
+
+@functools.lru_cache(maxsize=None)
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs and runs a linear in `dtype`: the ops are private, and builds whose oneDNN
+    lacks them (e.g. some non-x86 ones) must fall back to F.linear rather than fail at load."""
+    try:
+        eye = torch.eye(8, dtype=dtype)
+        y = torch.ops.mkldnn._linear_pointwise(eye[:3], torch.ops.mkldnn._reorder_linear_weight(eye, 3), None,
+                                               "none", [], "")
+        return bool(torch.equal(y, eye[:3]))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
 
 
 class PackedLinear(nn.Module):

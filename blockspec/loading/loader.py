@@ -49,9 +49,11 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
     if not packed_linears.fp32_supported(device):
-        where = f"the model is on {device}" if device.type != "cpu" else "this torch build has no oneDNN (mkldnn)"
+        where = (f"the model is on {device}" if device.type != "cpu"
+                 else "this torch build cannot pack linears for oneDNN (mkldnn)")
         raise BlockspecError(f"cpu_packed=True (--cpu-packed) needs a CPU with oneDNN, but {where}")
-    if dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.bfloat16 and not packed_linears.bf16_supported(device)):
+    bf16_ok = dtype == torch.bfloat16 and packed_linears.bf16_supported(device)
+    if dtype != torch.float32 and not bf16_ok:
         raise BlockspecError(f"cpu_packed=True (--cpu-packed) packs fp32 weights (bf16 on CPUs with bf16 kernels), "
                              f"not {dtype}")
 
