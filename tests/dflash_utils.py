@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+
+from blockspec.layers import cpu_packed
+
+# tests of the bf16 packed drafter run where oneDNN has bf16 kernels
+needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
+                                reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 
 
 def make_zlab_draft(target_cfg, path: Path, *, layers: int = 2, block_size: int = 8, target_layer_ids=(0, 1),

@@ -26,12 +26,10 @@ from blockspec.loading.loader import load_model
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
-from dflash_utils import cli_pair, make_zlab_draft
+from dflash_utils import cli_pair, make_zlab_draft, needs_bf16
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair, with_k
 
-needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
-                                reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 
 
 def packed(draft: LoadedDraft, lm) -> LoadedDraft:

@@ -26,13 +26,12 @@ from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
 from blockspec.train.export import save_draft
-from dflash_utils import cli_pair
+from dflash_utils import cli_pair, needs_bf16
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
 pytestmark = pytest.mark.skipif(not cpu_packed.fp32_supported(torch.device("cpu")), reason="torch without oneDNN")
 bf16_cpu = cpu_packed.bf16_supported(torch.device("cpu"))
-needs_bf16 = pytest.mark.skipif(not bf16_cpu, reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 
 
 def greedy(n: int) -> SamplingParams:

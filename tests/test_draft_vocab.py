@@ -17,17 +17,14 @@ from blockspec.cli import main
 from blockspec.config import SpeculativeConfig, resolve_spec
 from blockspec.errors import ConfigError
 from blockspec.generate import generate
-from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
-from dflash_utils import make_zlab_draft
+from dflash_utils import make_zlab_draft, needs_bf16
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, VOCAB, cycle_seq, trained_pair, with_k
 
-needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
-                                reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
 HEADS = ["fp32", pytest.param("bf16", marks=needs_bf16)]
 
 

@@ -25,6 +25,7 @@ from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
 from blockspec.spec.single import spec_generate
 from blockspec.train.export import save_draft
+from dflash_utils import needs_bf16
 from trained_pair import BLOCK, CYCLE_A, VOCAB, trained_pair
 
 KEYS = {"dataset", "num_prompts", "mean_acceptance_length", "per_position_acceptance", "tokens_per_second",
@@ -171,8 +172,7 @@ def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, c
                      "(full-block drafting), batch 1")
 
 
-@pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu")),
-                    reason="this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
+@needs_bf16
 def test_eval_draft_cpu_bf16_draft_and_draft_vocab(pair_dirs, tmp_path, capsys, monkeypatch):
     """--cpu-packed --cpu-bf16-draft --draft-vocab-size reach the target and the drafter: outputs still equal plain
     decoding, and the report and its table say what ran."""
