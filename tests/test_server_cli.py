@@ -14,8 +14,10 @@ import time
 
 import openai
 import pytest
+import torch
 
 from blockspec.cli import main
+from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from hf_utils import make_hf_model, save_hf_model
@@ -93,8 +95,12 @@ def test_chat_streams_replies_over_a_conversation(monkeypatch, capsys):
     fresh = reply([sys_msg, {"role": "user", "content": "More"}])
     assert len({first, second, fresh}) == 3
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nMore\n\n/reset\nMore\n/exit\nnever read\n"))
+    packed = []  # --cpu-packed reaches the target (serve and chat build their LLM the same way)
+    monkeypatch.setattr(cpu_packed, "pack_target", lambda m, f=cpu_packed.pack_target: packed.append(m) or f(m))
+    flag = ["--cpu-packed"] if cpu_packed.fp32_supported(torch.device("cpu")) else []
     assert main(["chat", str(target), "--draft", str(draft), "--device", "cpu", "--max-tokens", "12",
-                 "--system", "Be nice."]) == 0
+                 "--system", "Be nice.", *flag]) == 0
+    assert len(packed) == len(flag)
     out, err = capsys.readouterr()
     assert out == f">>> {first}\n>>> {second}\n>>> >>> >>> {fresh}\n>>> "
     status = re.findall(r"\[(\d+) tokens, [\d.]+ tok/s, tau ([\d.]+), finish: (\w+)\]", err)
