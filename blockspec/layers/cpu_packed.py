@@ -1,4 +1,5 @@
-"""Linears pre-packed for oneDNN on the CPU: the CPU fast path of the target (fp32) and of the drafter (bf16).
+"""Linears pre-packed for oneDNN on the CPU: the CPU fast path of the target (in its own dtype) and of the drafter
+(bf16, or the target's dtype).
 
 On a CPU a decode step is bound by weight bytes, and MKL's GEMMs, which F.linear calls, read them slowly at the few
 rows a decode or verify step has: on an AMD EPYC an fp32 GEMM of 3 rows takes ~3x the time of 1 row, and one row

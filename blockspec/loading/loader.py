@@ -47,7 +47,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return parse_dtype(dtype)
 
 
-def check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
+def _check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
     if not packed_linears.fp32_supported(device):
         where = (f"the model is on {device}" if device.type != "cpu"
                  else "this torch build cannot pack linears for oneDNN (mkldnn)")
@@ -85,7 +85,7 @@ def load_model(src: str | None, device: str | None = None, dtype: str | None = N
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if cpu_packed:
-        check_cpu_packed(dev, dt)
+        _check_cpu_packed(dev, dt)
     source = resolve_source(src)
     cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
     cfg = ModelConfig.from_hf(source.config, source=str(cfg_name))
