@@ -125,6 +125,12 @@ class EngineConfig:
     # A step that prefills runs the varlen path, not the decode step's CUDA graph, so admitting one request per step
     # as others finish would keep a full batch off the graph almost every step. 1: admit at once (serving).
     min_admit: int = 1
+    # A step with both decoding and prefilling requests: True runs the decoding ones through the decode step (its
+    # CUDA graph, which also drafts their next blocks) and only the rest through the varlen path; False runs every
+    # row on the varlen path, then an eager draft pass. Same outputs either way (tested on CPU). Off until measured
+    # on the GPU, where it should pay (one eager pass per mixed step instead of two over the whole batch); on CPU
+    # every forward reads all the weights, so one combined pass stays cheaper there.
+    split_mixed_steps: bool = False
     draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}
     attention_backend: str = "auto"  # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
     enforce_eager: bool = False  # True: never capture CUDA graphs (the decode step runs the same code uncaptured)

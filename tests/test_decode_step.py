@@ -62,6 +62,36 @@ def test_decode_step_taken_and_equal_to_varlen_step(pair):
     assert sum(len(acc) for _, acc, _ in fused) > 0 and max(max(acc) for _, acc, _ in fused if acc) > 3
 
 
+def test_mixed_steps_split_and_keep_outputs(pair):
+    """split_mixed_steps: a step that admits or prefills requests next to decoding ones runs the decoding ones
+    through the decode step and only the rest through the varlen step. Outputs, acceptance lengths and step traces
+    equal the unsplit engine's, sampled requests included."""
+    lm, draft = pair
+    prompts, params = workload(14, seed=2, max_tokens=(20, 70))
+    kw = dict(max_num_seqs=6, block_size=4, max_num_batched_tokens=48)
+    plain = LLM.from_loaded(lm, draft, **kw)
+    assert not plain.engine.runner.split_mixed  # the default
+    split = LLM.from_loaded(lm, draft, split_mixed_steps=True, **kw)
+    runner = split.engine.runner
+    mixed, calls = [], []
+    real_step, real_run, real_varlen = runner.step, runner.decode.run, runner._varlen_step
+    runner.decode.run = lambda seqs, K: calls.append(("decode", len(seqs))) or real_run(seqs, K)
+    runner._varlen_step = lambda sch: calls.append(("varlen", len(sch))) or real_varlen(sch)
+
+    def step(scheduled):
+        calls.clear()
+        out = real_step(scheduled)
+        if len(calls) == 2:
+            mixed.append((len(scheduled), list(calls)))
+        return out
+
+    runner.step = step
+    assert run(split, prompts, params) == run(plain, prompts, params)
+    assert len(mixed) >= 3, mixed
+    assert all(n == calls[0][1] + calls[1][1] and calls[0][0] == "decode" for n, calls in mixed), mixed
+    assert any(calls[0][1] > 1 for _, calls in mixed), mixed
+
+
 def test_padding_rows_never_write_the_pool(pair):
     lm, draft = pair
     llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4, enable_prefix_caching=False)

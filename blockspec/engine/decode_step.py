@@ -83,6 +83,19 @@ class DecodeStep:
             return None
         return K
 
+    def split(self, scheduled: list) -> tuple[list, list]:
+        """A mixed step's requests -> (the largest group the decode step can take: decoding with the same K argmax
+        drafts, at most the largest bucket; everything else)."""
+        groups: dict[int, list] = {}
+        for s in scheduled:
+            if not s.is_prefill and s.seq.draft_probs is None and (self.runner.draft is not None or not s.seq.drafts):
+                groups.setdefault(len(s.seq.drafts), []).append(s)
+        if not groups:
+            return [], list(scheduled)
+        group = max(groups.values(), key=len)[: self.buckets[-1]]
+        taken = {id(s) for s in group}
+        return group, [s for s in scheduled if id(s) not in taken]
+
     def run(self, seqs: list[Sequence], K: int) -> list["StepResult"]:
         from blockspec.engine.model_runner import StepResult
 

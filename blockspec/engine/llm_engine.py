@@ -58,6 +58,7 @@ class LLMEngine:
         self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend,
                                   config.enforce_eager, config.max_num_seqs)
         self.runner.decode.forced_tau = config.bench_forced_tau
+        self.runner.split_mixed = config.split_mixed_steps
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()

@@ -4,7 +4,8 @@
   then sampling, acceptance and the draft-context append on device, and one device-to-host copy; the engine drafts
   the next blocks afterwards with propose();
 - the decode step (engine/decode_step.py), when every scheduled request is decoding with the same K: verify,
-  accept, context append AND the next drafts in one static-shape function, replayed from a CUDA graph on GPU.
+  accept, context append AND the next drafts in one static-shape function, replayed from a CUDA graph on GPU;
+  with EngineConfig.split_mixed_steps a mixed step runs its decoding requests here and only the rest varlen.
 
 Returns, per sequence, the tokens committed this step; the engine does stop checks and bookkeeping."""
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.vocab_size = lm.config.vocab_size
         capture = self.device.type == "cuda" and self.backend.capturable and not enforce_eager
         self.decode = DecodeStep(self, max_num_seqs, capture)
+        self.split_mixed = False  # EngineConfig.split_mixed_steps
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -63,7 +65,13 @@ class ModelRunner:
         K = self.decode.eligible(scheduled)
         if K is not None:
             return self.decode.run([s.seq for s in scheduled], K)
-        return self._varlen_step(scheduled)
+        decoding, rest = self.decode.split(scheduled) if self.split_mixed else ([], scheduled)
+        if not decoding:
+            return self._varlen_step(scheduled)
+        by_seq = {id(r.seq): r for r in self.decode.run([s.seq for s in decoding], len(decoding[0].seq.drafts))}
+        if rest:
+            by_seq.update((id(r.seq), r) for r in self._varlen_step(rest))
+        return [by_seq[id(s.seq)] for s in scheduled]
 
     def _varlen_step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:
         bs = self.pool.block_size
