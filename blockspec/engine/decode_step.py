@@ -24,6 +24,14 @@ if TYPE_CHECKING:
     from blockspec.engine.model_runner import ModelRunner, StepResult
 
 
+def forced_accept(seeds: torch.Tensor, start: torch.Tensor, K: int, tau: float) -> torch.Tensor:
+    """Benchmark only (EngineConfig.bench_forced_tau): drafts accepted per verify block, mean tau - 1, pseudo-random
+    by request seed and block start, so the decode step and the varlen step force the same n."""
+    want = min(max(tau - 1.0, 0.0), float(K))
+    u = rng.uniform(seeds, start, rng.STREAM_BENCH, 1)[:, 0]
+    return (int(want) + (u < want - int(want)).long()).clamp_max(K)
+
+
 def buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes that get their own graph: powers of two, then steps of 32, capped by max_num_seqs."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_num_seqs] + list(range(64, max_num_seqs, 32))
@@ -153,12 +161,6 @@ class DecodeStep:
         graph.replay()
         return packed
 
-    def _forced_accept(self, buf: DecodeBuffers, K: int) -> torch.Tensor:
-        """Benchmark only: n per row with mean forced_tau - 1, pseudo-random by position (deterministic)."""
-        want = min(max(self.forced_tau - 1.0, 0.0), float(K))
-        u = rng.uniform(buf.seeds, buf.start, rng.STREAM_BENCH, 1)[:, 0]
-        return (int(want) + (u < want - int(want)).long()).clamp_max(K)
-
     def forward(self, buf: DecodeBuffers, rows: SamplingRows) -> torch.Tensor:
         r = self.runner
         lm, draft, pool = r.lm.model, r.draft, r.pool
@@ -176,7 +178,7 @@ class DecodeStep:
         if K > 0:
             tokens, n = accept_tokens(buf.input_ids[:, 1:], chosen)
             if self.forced_tau is not None:
-                tokens, n = chosen, self._forced_accept(buf, K)
+                tokens, n = chosen, forced_accept(buf.seeds, buf.start, K, self.forced_tau)
         else:
             tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
         if draft is None:

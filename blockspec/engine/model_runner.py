@@ -18,7 +18,7 @@ import torch
 from blockspec import rng
 from blockspec.attention.backends import get_backend
 from blockspec.attention.paged_ref import PagedBatch
-from blockspec.engine.decode_step import DecodeStep
+from blockspec.engine.decode_step import DecodeStep, forced_accept
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence, block_tables
 from blockspec.kv.pool import KVPool
@@ -149,7 +149,12 @@ class ModelRunner:
         for K, idx in groups.items():
             offs = torch.arange(K + 1, device=dev)
             drafts = self._tensor([scheduled[i].seq.drafts for i in idx]).view(len(idx), K)
-            tokens, n = accept_tokens(drafts, chosen[self._tensor([first_logit[i] for i in idx])[:, None] + offs])
+            picked = chosen[self._tensor([first_logit[i] for i in idx])[:, None] + offs]
+            tokens, n = accept_tokens(drafts, picked)
+            if self.decode.forced_tau is not None:  # benchmark only, the same n as the decode step would force
+                tokens, n = picked, forced_accept(self._tensor([scheduled[i].seq.seed for i in idx]),
+                                                  self._tensor([scheduled[i].seq.num_computed for i in idx]), K,
+                                                  self.decode.forced_tau)
             flat.append(torch.cat([tokens, n[:, None]], dim=1).flatten())
             keep[(self._tensor([qs[i] for i in idx])[:, None] + offs).flatten()] = (offs[None] <= n[:, None]).flatten()
             where.update((i, off + j * (K + 2)) for j, i in enumerate(idx))

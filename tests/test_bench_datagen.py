@@ -1,0 +1,25 @@
+"""blockspec.bench.datagen on CPU at a tiny shape: forced acceptance (benchmark-only) is the same on the varlen step
+and the decode step, so the split_mixed_steps A/B generates the same tokens at the forced tau in both rows."""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.bench.datagen import make_pair, measure, workload
+
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def test_split_ab_same_tokens_at_the_forced_tau():
+    lm, draft = make_pair(TINY, 5, 1, [0, 2], 255, torch.device("cpu"), torch.float32)
+    prompts, params = workload(24, 255, (5, 40), (10, 40))
+    off, on = (measure(lm, draft, 8, 3.5, prompts, params, split) for split in (False, True))
+    assert off["token_ids"] == on["token_ids"]
+    assert [len(t) for t in on["token_ids"]] == [p.max_tokens for p in params]
+    # tau 3.5 = 2 or 3 drafts accepted, half and half; blocks cut by max_tokens accept fewer
+    assert 3.0 < off["measured_tau"] == on["measured_tau"] <= 3.5, (off["measured_tau"], on["measured_tau"])
+    # both paths really ran in the split row: steps admitting requests next to decoding ones
+    assert on["host_breakdown_s"]["varlen_step_calls"] > 0 and on["host_breakdown_s"]["decode_step_calls"] > 0
+    assert on["host_breakdown_s"]["decode_step_calls"] > off["host_breakdown_s"]["decode_step_calls"]
