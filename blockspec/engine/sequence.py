@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,9 @@ class Sequence:
 def block_tables(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor:
     """[B, width] int64 block tables, padded with block 0 (read-only padding: its rows never write)."""
     tables = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    # one tensor from the concatenated tables and one masked store: a tensor per request costs ~10 us each, which
+    # is milliseconds per step at hundreds of requests
+    lens = torch.tensor([len(s.block_table) for s in seqs])
+    tables[torch.arange(tables.shape[1]) < lens[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(s.block_table for s in seqs)), dtype=torch.long)
     return tables.to(device)

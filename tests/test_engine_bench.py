@@ -1,11 +1,17 @@
-"""blockspec.bench.datagen on CPU at a tiny shape: forced acceptance (benchmark-only) is the same on the varlen step
-and the decode step, so the split_mixed_steps A/B generates the same tokens at the forced tau in both rows."""
+"""The engine benchmarks on CPU: blockspec.bench.datagen at a tiny shape (forced acceptance, benchmark-only, is the
+same on the varlen step and the decode step, so the split_mixed_steps A/B generates the same tokens at the forced
+tau in both rows), blockspec.bench.host, and the vectorized block-table builder it measures."""
 
 from __future__ import annotations
 
 import torch
 
 from blockspec.bench.datagen import make_pair, measure, workload
+from blockspec.bench.host import decode_step_ms
+from blockspec.engine.decode_step import DecodeStep
+from blockspec.engine.sequence import Sequence, block_tables
+from blockspec.sampling import SamplingParams
+from blockspec.spec.stats import SpecStats
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=32, intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
@@ -23,3 +29,16 @@ def test_split_ab_same_tokens_at_the_forced_tau():
     # both paths really ran in the split row: steps admitting requests next to decoding ones
     assert on["host_breakdown_s"]["varlen_step_calls"] > 0 and on["host_breakdown_s"]["decode_step_calls"] > 0
     assert on["host_breakdown_s"]["decode_step_calls"] > off["host_breakdown_s"]["decode_step_calls"]
+
+
+def test_block_tables_pads_with_block_zero():
+    seqs = [Sequence(str(i), [1], SamplingParams(), set(), 8, True, 0, SpecStats(3), block_table=table)
+            for i, table in enumerate([[5, 9, 2], [], [7]])]
+    assert block_tables(seqs, 4, torch.device("cpu")).tolist() == [[5, 9, 2, 0], [0, 0, 0, 0], [7, 0, 0, 0]]
+    assert block_tables([], 4, torch.device("cpu")).shape == (0, 4)
+
+
+def test_host_bench_restores_the_decode_step():
+    real = DecodeStep.forward
+    assert decode_step_ms(4, 3, 2, new_tokens=24) > 0
+    assert DecodeStep.forward is real
