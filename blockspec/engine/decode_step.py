@@ -133,7 +133,9 @@ class DecodeStep:
         rows = SamplingRows.build([s.params for s in seqs] + [SamplingParams()] * pad, [s.seed for s in seqs] + [0] * pad,
                                   cpu, self.runner.vocab_size)
         host = {
-            "input_ids": torch.tensor([[s.bonus] + s.drafts for s in seqs] + [[0] * (K + 1)] * pad),
+            # flat lists convert several times faster than nested ones
+            "input_ids": torch.tensor([t for s in seqs for t in (s.bonus, *s.drafts)] + [0] * (pad * (K + 1))
+                                      ).view(B, K + 1),
             "start": torch.tensor([s.num_computed for s in seqs] + [0] * pad),
             "valid": torch.tensor([True] * n + [False] * pad), "block_tables": tables,
             "temperature": rows.temperature, "top_k": rows.top_k, "top_p": rows.top_p, "seeds": rows.seeds,

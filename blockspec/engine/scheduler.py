@@ -66,17 +66,19 @@ class Scheduler:
             # preempted while reserving for an older request (a status check, not a scan of hundreds of requests)
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            if seq.in_prefill:
+            prefill = seq.in_prefill
+            if prefill:
                 rows = min(seq.prefill_len - seq.num_computed, budget)
             else:
                 rows = min(1 + len(seq.drafts), budget)
-                seq.drafts = seq.drafts[: rows - 1]
+                if rows <= len(seq.drafts):
+                    seq.drafts = seq.drafts[: rows - 1]
             if rows <= 0:
                 continue
             if not self._reserve(seq, seq.num_computed + rows):
                 self._preempt(seq)
                 continue
-            out.append(ScheduledSeq(seq, rows, seq.in_prefill))
+            out.append(ScheduledSeq(seq, rows, prefill))
             budget -= rows
         if self.running and self.max_num_seqs - len(self.running) < min(self.min_admit, len(self.waiting)):
             return out  # decoding continues on the graph until a group of waiting requests fits
