@@ -17,6 +17,7 @@ from blockspec.train.dataset import prepare
 from blockspec.train.evaluate import inference_draft
 from blockspec.train.export import save_draft
 from blockspec.train.setup import DraftShape, draft_from, new_draft
+from blockspec.train import trainer
 from blockspec.train.trainer import train
 from test_train_common import MASK, VOCAB, cycle_sequences, random_sequences, tiny_target
 
@@ -116,9 +117,9 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     assert len(varied) >= 2  # not a trivial all-accepted or all-rejected replay
 
 
-def _run(lm, data, out, max_steps, resume=False):
+def _run(lm, data, out, max_steps, resume=False, time_limit_min=None):
     cfg = TrainConfig(num_anchors=6, epochs=3, lr=1e-3, batch_anchors=24, grad_accum=2, max_seq_len=36,
-                      max_steps=max_steps, save_every=1000, eval_every=0)
+                      max_steps=max_steps, save_every=1000, eval_every=0, time_limit_min=time_limit_min)
     setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
                                      mask_token_id=MASK), seed=1, device=CPU)
     train(lm, setup, prepare(data, cfg, "mem"), cfg, out, None, resume=resume, use_tqdm=False)
@@ -135,6 +136,25 @@ def test_resume_continues_identically(target, tmp_path):
     for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), name
     assert str(ck1["optimizer"]) == str(ck2["optimizer"])
+
+
+def test_time_limit_stops_with_a_checkpoint_and_resume_continues(target, tmp_path, monkeypatch):
+    """--time-limit: the run stops at the first step past the limit with a checkpoint, an export and a report that
+    says so; --resume then ends where an uninterrupted run ends."""
+    _, lm = target
+    data = random_sequences(24, torch.Generator().manual_seed(3))
+    straight, _ = _run(lm, data, tmp_path / "a", max_steps=7)
+    minutes = iter(range(100))  # each reading of the clock one minute later
+    monkeypatch.setattr(trainer, "clock", lambda: 60.0 * next(minutes))
+    _, ck = _run(lm, data, tmp_path / "b", max_steps=7, time_limit_min=2.5)
+    report = json.loads((tmp_path / "b" / "train_report.json").read_text())
+    assert ck["progress"]["step"] == report["steps"] == 3 and report["stopped_by_time_limit"]
+    assert (tmp_path / "b" / "model.safetensors").exists()
+    monkeypatch.undo()
+    resumed, _ = _run(lm, data, tmp_path / "b", max_steps=7, resume=True)
+    for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert not json.loads((tmp_path / "b" / "train_report.json").read_text())["stopped_by_time_limit"]
 
 
 def test_export_round_trips_through_the_inference_loader(target, tmp_path):

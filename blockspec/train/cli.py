@@ -52,6 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (resumable; the LR "
                    "schedule still spans all epochs)")
+    t.add_argument("--time-limit", type=float, default=None, metavar="MIN", help="stop after MIN minutes of training "
+                   "(checkpoint and export as at the end; --resume continues): for jobs with a wall-clock limit")
     t.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto",
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         num_anchors=args.num_anchors, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
         warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, grad_accum=args.grad_accum,
         batch_anchors=args.batch_anchors, batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len,
-        seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, save_every=args.save_every,
+        seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, time_limit_min=args.time_limit, save_every=args.save_every,
         eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens, attention=args.attention,
         val_fraction=args.val_fraction, walk_weight=args.walk_weight, compile_draft=args.compile_draft,
     )

@@ -30,6 +30,9 @@ class TrainConfig:
     seed: int = 0
     loss_gamma: float | None = None  # None: the paper's value for the block size (anchors.default_gamma)
     max_steps: int | None = None  # stop after this many optimizer steps (the schedule still spans every epoch)
+    # stop (checkpoint + export, as at the end) at the first step after this many minutes of train(): for jobs with
+    # a wall-clock limit; --resume continues the same schedule
+    time_limit_min: float | None = None
     save_every: int = 500  # optimizer steps between checkpoints (and at the end)
     eval_every: int = 1000  # optimizer steps between tau evaluations (0: only at the end)
     eval_max_tokens: int = 256
@@ -58,6 +61,8 @@ class TrainConfig:
             raise ConfigError(f"warmup_ratio={self.warmup_ratio!r} must be in [0, 1)")
         if self.weight_decay < 0 or not self.grad_clip > 0:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0 and grad_clip={self.grad_clip!r} > 0")
+        if self.time_limit_min is not None and not self.time_limit_min > 0:
+            raise ConfigError(f"time_limit_min={self.time_limit_min!r} must be > 0")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ConfigError(f"loss_gamma={self.loss_gamma!r} must be > 0")
         if not self.walk_weight >= 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ class DraftSetup:
     mask_token_id: int
 
 
+clock = time.monotonic  # the wall clock of --time-limit (a module attribute, so tests can drive it)
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -66,6 +69,7 @@ def _check_grads(model: torch.nn.Module) -> None:
 def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfig, out_dir: str | Path,
           eval_prompts: list[list[int]] | None = None, resume: bool = False, use_tqdm: bool = True) -> dict[str, Any]:
     """Train setup.model in place on `data`; write checkpoints, the exported drafter and a report into out_dir."""
+    deadline = clock() + 60 * cfg.time_limit_min if cfg.time_limit_min else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = setup.model
@@ -145,11 +149,12 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         progress.micro += len(mbs)
         if progress.micro >= len(plans[progress.epoch]):
             progress.epoch, progress.micro = progress.epoch + 1, 0
+        timed_out = deadline is not None and clock() >= deadline and progress.step < stop_at
         # the next step's batches are built on the host while the GPU still runs this one
-        pending = step_batches(progress.epoch, progress.micro) if progress.step < stop_at else None
+        pending = step_batches(progress.epoch, progress.micro) if progress.step < stop_at and not timed_out else None
         shown.update(loss=f"{step_loss.item() / total_w:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
                      epoch=progress.epoch)  # the one host sync per step
-        done = progress.step >= stop_at
+        done = progress.step >= stop_at or timed_out
         if progress.step % cfg.log_every == 0 or done:
             now = time.perf_counter()
             progress.train_time_s += now - t_start
@@ -175,20 +180,24 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
     bar.close()
     log.close()
+    timed_out = progress.step < stop_at
+    if timed_out:
+        print(f"train-draft: time limit ({cfg.time_limit_min:g} min) reached at step {progress.step} of {stop_at}; "
+              f"the checkpoint and the exported drafter are saved, --resume continues", file=sys.stderr)
     if not progress.evals or progress.evals[-1]["step"] != progress.step:
         evaluate()
     save_draft(model, setup.config, out)
     save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
-    report = _report(progress, cfg, data, val, cap, total_steps, attention, device)
+    report = _report(progress, cfg, data, val, cap, total_steps, attention, device, timed_out)
     (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
 def _report(progress: Progress, cfg: TrainConfig, data: TrainingSet, val: TrainingSet | None, cap, total_steps: int,
-            attention: str, device: torch.device) -> dict[str, Any]:
+            attention: str, device: torch.device, timed_out: bool) -> dict[str, Any]:
     t = progress.train_time_s
     return {
-        "steps": progress.step, "planned_steps": total_steps, "epoch": progress.epoch, "micro_batch": progress.micro,
+        "steps": progress.step, "planned_steps": total_steps, "stopped_by_time_limit": timed_out, "epoch": progress.epoch, "micro_batch": progress.micro,
         "target_tokens": progress.tokens, "anchor_blocks": progress.blocks,
         "train_time_s": round(t, 2), "eval_time_s": round(progress.eval_time_s, 2),
         "tokens_per_s": round(progress.tokens / t, 1) if t > 0 else None,
