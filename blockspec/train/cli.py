@@ -47,6 +47,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--loss-gamma", type=float, default=None, help="slot weight decay (default 7/5/4 for B 16/10/8)")
     t.add_argument("--walk-weight", type=float, default=0.0, help="extra loss weight of the blocks the verification "
                    "walk visits (where the engine's blocks start, right after a wrong draft); 0: off (experimental)")
+    t.add_argument("--distill-weight", type=float, default=0.0, metavar="W", help="mix the target's own "
+                   "next-token distribution into the labels: (1 - W) onehot + W p_target (0: hard labels, the paper's "
+                   "loss; experimental)")
     t.add_argument("--compile-draft", action="store_true", help="CUDA: run the draft layers under torch.compile, "
                    "fusing their element-wise work over the block rows (experimental: docs/training.md)")
     t.add_argument("--seed", type=int, default=0)
@@ -94,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
         num_anchors=args.num_anchors, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
         warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, grad_accum=args.grad_accum,
         batch_anchors=args.batch_anchors, batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len,
-        seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, time_limit_min=args.time_limit, save_every=args.save_every,
-        eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens, attention=args.attention,
-        val_fraction=args.val_fraction, walk_weight=args.walk_weight, compile_draft=args.compile_draft,
+        seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, time_limit_min=args.time_limit,
+        save_every=args.save_every, eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens,
+        attention=args.attention, val_fraction=args.val_fraction, walk_weight=args.walk_weight,
+        distill_weight=args.distill_weight, compile_draft=args.compile_draft,
     )
     if args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")

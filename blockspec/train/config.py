@@ -10,7 +10,7 @@ from blockspec.errors import ConfigError
 # Fields that fix the sequence of batches and updates: a checkpoint resumes only under the same values.
 TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_ratio", "grad_clip", "grad_accum",
                      "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction",
-                     "walk_weight")
+                     "walk_weight", "distill_weight")
 
 
 @dataclass
@@ -40,6 +40,8 @@ class TrainConfig:
     attention: str = "auto"  # flex | sdpa | auto (flex on CUDA, sdpa on CPU)
     val_fraction: float = 0.0  # sequences held out of training, scored at every evaluation (train/validate.py)
     walk_weight: float = 0.0  # extra loss weight of the blocks a verification walk visits (train/walk.py); 0: off
+    # labels mixed with the target's own next-token distribution: (1 - w) onehot + w p_target (train/loss.py); 0: off
+    distill_weight: float = 0.0
     compile_draft: bool = False  # CUDA: the draft layers under torch.compile (train/compiled_draft.py); experimental
 
     def __post_init__(self) -> None:
@@ -65,6 +67,8 @@ class TrainConfig:
             raise ConfigError(f"time_limit_min={self.time_limit_min!r} must be > 0")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ConfigError(f"loss_gamma={self.loss_gamma!r} must be > 0")
+        if not 0 <= self.distill_weight <= 1:
+            raise ConfigError(f"distill_weight={self.distill_weight!r} must be in [0, 1]")
         if not self.walk_weight >= 0:
             raise ConfigError(f"walk_weight={self.walk_weight!r} must be >= 0")
         if not 0 <= self.val_fraction < 1:

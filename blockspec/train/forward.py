@@ -35,7 +35,8 @@ class TrainingForward:
     the draft layers under torch.compile with this backend (train/compiled_draft.py); None: eager."""
 
     def __init__(self, target: nn.Module, draft: DFlashDraftModel, tap_layers: list[int], cap: Capacity,
-                 attention: str, compiled: bool, walk_weight: float = 0.0, draft_backend: str | None = None) -> None:
+                 attention: str, compiled: bool, walk_weight: float = 0.0, draft_backend: str | None = None,
+                 distill: float = 0.0) -> None:
         self.target, self.draft, self.tap_layers, self.cap = target, draft, tap_layers, cap
         self.walk_weight = walk_weight
         target.requires_grad_(False)
@@ -46,16 +47,28 @@ class TrainingForward:
         cfg = draft.config
         kinds = sorted({(c, w) for c, w in zip(cfg.layer_causal, cfg.layer_window)}, key=str)
         self.flex = FlexState(cap, kinds, self.device, compiled=compiled) if attention == "flex" else None
-        self.loss = BlockLoss(cfg, target.lm_head.weight, compiled=compiled)
+        self.loss = BlockLoss(cfg, target.lm_head.weight, compiled=compiled, distill=distill)
         self.draft_pass = CompiledDraftPass(draft, draft_backend) if draft_backend else draft
 
     @torch.no_grad()
-    def taps(self, mb: MicroBatch, block_mask=None) -> torch.Tensor:
-        """[T, num_taps * H]: the target's residual streams after the tapped layers, every position."""
+    def target_pass(self, mb: MicroBatch, block_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, num_taps * H] the target's residual streams after the tapped layers, [T, H] its final-normed hidden
+        states), every position."""
         no_logits = torch.zeros(0, dtype=torch.long, device=self.device)
         out = self.target(mb.input_ids, mb.positions, PackedCausalAttention(mb, self.flex, block_mask),
                           tap_layers=self.tap_layers, logit_rows=no_logits)
-        return out.taps
+        return out.taps, out.hidden
+
+    def taps(self, mb: MicroBatch, block_mask=None) -> torch.Tensor:
+        return self.target_pass(mb, block_mask)[0]
+
+    @staticmethod
+    def label_sources(mb: MicroBatch) -> torch.Tensor:
+        """[R]: for each scored row, the target position that predicts its label (a + slot - 1), as an index into
+        the micro-batch's packed tokens."""
+        starts = torch.tensor([0] + mb.seq_lens[:-1]).cumsum(0).to(mb.block_seq.device)
+        rows = mb.loss_rows
+        return starts[mb.block_seq[rows]] + mb.block_pos[rows] - 1
 
     def hidden(self, mb: MicroBatch, taps: torch.Tensor, block_masks: dict | None = None) -> torch.Tensor:
         """[Q, H] final-normed draft hidden state of every block row."""
@@ -70,8 +83,11 @@ class TrainingForward:
 
     def __call__(self, mb: MicroBatch) -> ForwardResult:
         target_mask, draft_masks = self.flex.load(mb) if self.flex is not None else (None, None)
-        hidden = self.hidden(mb, self.taps(mb, target_mask), draft_masks)
-        losses, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights)
+        taps, target_hidden = self.target_pass(mb, target_mask)
+        hidden = self.hidden(mb, taps, draft_masks)
+        # distillation: the target's own distribution over each label (train/loss.py, soft_ce_chunk)
+        target_h = target_hidden[self.label_sources(mb)] if self.loss.distill > 0 else None
+        losses, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights, target_h)
         B, n = self.cap.block_size, mb.num_blocks
         # hits laid back out as [blocks, B] (unscored rows count as misses, so a block stops at the response end):
         # the training-side acceptance length, comparable with the engine's tau on similar prompts

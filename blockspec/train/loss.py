@@ -5,6 +5,8 @@ a chunk at a time and the gradient with respect to the hidden rows is formed rig
 compute_logits' multiplier and softcap, back through the lm_head), leaving only [rows, H] for the backward pass.
 The loss comes out per row, so a caller may weigh rows by what the forward itself found (backward scales their
 gradient rows by the same factors).
+With distillation (--distill-weight W) the label of a row is (1 - W) onehot + W p, p the target's own next-token
+distribution at the position before the label (its final hidden row through the same lm_head, in the same chunk).
 The lm_head is frozen, so no weight gradient is needed. On CUDA the chunk function is compiled (fused softmax, no fp32
 logits in memory) and chunks are padded to one size so it compiles once."""
 
@@ -26,37 +28,66 @@ def chunk_rows(vocab_size: int) -> int:
     return max(128, CHUNK_ELEMENTS // vocab_size // 128 * 128)
 
 
+def _logits(x: torch.Tensor, weight: torch.Tensor, multiplier: float, softcap: float | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits as DFlashDraftModel.compute_logits forms them, and tanh(z / softcap) for the chain rule."""
+    z = F.linear(x.to(weight.dtype), weight).float()
+    if multiplier != 1.0:
+        z = z * multiplier
+    t = None
+    if softcap:
+        t = torch.tanh(z / softcap)
+        z = t * softcap
+    return z, t
+
+
+def _grad_h(g: torch.Tensor, t: torch.Tensor | None, weight: torch.Tensor, multiplier: float, dtype: torch.dtype
+            ) -> torch.Tensor:
+    """d loss / d logits [N, V] -> d loss / d h [N, H], back through the softcap, the multiplier and the lm_head."""
+    if t is not None:
+        g = g * (1 - t * t)
+    if multiplier != 1.0:
+        g = g * multiplier
+    return F.linear(g.to(weight.dtype), weight.t()).to(dtype)
+
+
 def ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, multiplier: float,
              softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [N, H], weight [V, H] (lm_head), labels [N], w [N] -> (w * CE [N], d(w * CE)/dh [N, H], argmax hits [N]).
     The logits are those of DFlashDraftModel.compute_logits."""
-    logits = F.linear(h.to(weight.dtype), weight).float()
-    if multiplier != 1.0:
-        logits = logits * multiplier
-    if softcap:
-        t = torch.tanh(logits / softcap)
-        logits = t * softcap
+    logits, t = _logits(h, weight, multiplier, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     loss = (lse - logits.gather(1, labels[:, None])[:, 0]) * w
     g = torch.exp(logits - lse[:, None]).scatter_add(1, labels[:, None], -torch.ones_like(logits[:, :1]))
-    g = g * w[:, None]
-    if softcap:
-        g = g * (1 - t * t)
-    if multiplier != 1.0:
-        g = g * multiplier
-    grad_h = F.linear(g.to(weight.dtype), weight.t()).to(h.dtype)
-    return loss, grad_h, logits.argmax(-1) == labels
+    return loss, _grad_h(g * w[:, None], t, weight, multiplier, h.dtype), logits.argmax(-1) == labels
+
+
+def soft_ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, target_h: torch.Tensor,
+                  alpha: float, multiplier: float, softcap: float | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ce_chunk against the mixed label y = (1 - alpha) * onehot(label) + alpha * p, where p is the target's own
+    next-token distribution (its final hidden rows target_h [N, H] through the same lm_head): the loss is
+    w * (lse - <y, logits>) and its gradient w * (softmax - y), so the drafter also learns how the target ranks the
+    tokens it did not pick. hits stay argmax == label."""
+    logits, t = _logits(h, weight, multiplier, softcap)
+    y = torch.softmax(_logits(target_h, weight, multiplier, softcap)[0], dim=-1) * alpha
+    y = y.scatter_add(1, labels[:, None], torch.full_like(logits[:, :1], 1.0 - alpha))
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - (y * logits).sum(-1)) * w
+    g = (torch.exp(logits - lse[:, None]) - y) * w[:, None]
+    return loss, _grad_h(g, t, weight, multiplier, h.dtype), logits.argmax(-1) == labels
 
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, w, fn, chunk):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, w, fn, chunk, target_h):  # type: ignore[override]
         grad = torch.empty_like(hidden)
         hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
+            extra = () if target_h is None else (target_h[s:s + chunk],)
             losses[s:s + chunk], grad[s:s + chunk], hits[s:s + chunk] = fn(hidden[s:s + chunk], weight,
-                                                                           labels[s:s + chunk], w[s:s + chunk])
+                                                                           labels[s:s + chunk], w[s:s + chunk], *extra)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return losses, hits
@@ -64,32 +95,44 @@ class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses, _grad_hits):  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None
 
 
 class BlockLoss:
     """Weighted CE of chosen block rows. compiled=True: the chunk function goes through torch.compile and the rows
     are padded (weight 0) to whole chunks, so every call has one shape."""
 
-    def __init__(self, cfg: DFlashConfig, lm_head_weight: torch.Tensor, compiled: bool) -> None:
+    def __init__(self, cfg: DFlashConfig, lm_head_weight: torch.Tensor, compiled: bool, distill: float = 0.0) -> None:
         self.weight = lm_head_weight.detach()
         self.chunk = chunk_rows(self.weight.shape[0])
+        self.distill = distill
         mult, cap = cfg.output_multiplier, cfg.final_logit_softcapping
 
         def fn(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
             return ce_chunk(h, weight, labels, w, mult, cap)
 
-        self.fn: ChunkFn = torch.compile(fn, dynamic=False) if compiled else fn
+        def soft_fn(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
+                    target_h: torch.Tensor):
+            return soft_ce_chunk(h, weight, labels, w, target_h, distill, mult, cap)
+
+        chosen = soft_fn if distill > 0 else fn
+        self.fn: ChunkFn = torch.compile(chosen, dynamic=False) if compiled else chosen
         self.pad = compiled
 
-    def __call__(self, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [Q, H]; rows [R] (rows to score); labels, weights [Q] -> (w * CE [R], hits [R])."""
+    def __call__(self, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                 target_h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [Q, H]; rows [R] (rows to score); labels, weights [Q]; with distill > 0 target_h [R, H], the
+        target's final hidden row before each scored row's label -> (w * loss [R], hits [R])."""
         R = len(rows)
+        if (target_h is None) != (self.distill == 0):
+            raise ValueError("target_h is needed exactly when distill > 0")
         if self.pad and R % self.chunk:
-            rows = torch.cat([rows, rows.new_zeros(self.chunk - R % self.chunk)])
+            pad = self.chunk - R % self.chunk
+            rows = torch.cat([rows, rows.new_zeros(pad)])
+            if target_h is not None:
+                target_h = torch.cat([target_h, target_h.new_zeros(pad, target_h.shape[1])])
         w = weights[rows]
         if self.pad:
             w[R:] = 0.0
-        losses, hits = _ChunkedCE.apply(hidden[rows], self.weight, labels[rows], w, self.fn, self.chunk)
+        losses, hits = _ChunkedCE.apply(hidden[rows], self.weight, labels[rows], w, self.fn, self.chunk, target_h)
         return losses[:R], hits[:R]

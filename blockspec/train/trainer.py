@@ -91,7 +91,7 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         progress = ckpt["progress"]
     cuda = device.type == "cuda"
     fwd = TrainingForward(lm.model, model, setup.tap_layers, cap, attention, compiled=cuda, walk_weight=cfg.walk_weight,
-                          draft_backend="inductor" if cfg.compile_draft and cuda else None)
+                          draft_backend="inductor" if cfg.compile_draft and cuda else None, distill=cfg.distill_weight)
     w_slot = slot_weights(B, cfg.loss_gamma or default_gamma(B))
     params = [p for p in model.parameters() if p.requires_grad]
     window = Window(B, device)
@@ -197,7 +197,8 @@ def _report(progress: Progress, cfg: TrainConfig, data: TrainingSet, val: Traini
             attention: str, device: torch.device, timed_out: bool) -> dict[str, Any]:
     t = progress.train_time_s
     return {
-        "steps": progress.step, "planned_steps": total_steps, "stopped_by_time_limit": timed_out, "epoch": progress.epoch, "micro_batch": progress.micro,
+        "steps": progress.step, "planned_steps": total_steps, "stopped_by_time_limit": timed_out,
+        "epoch": progress.epoch, "micro_batch": progress.micro,
         "target_tokens": progress.tokens, "anchor_blocks": progress.blocks,
         "train_time_s": round(t, 2), "eval_time_s": round(progress.eval_time_s, 2),
         "tokens_per_s": round(progress.tokens / t, 1) if t > 0 else None,
