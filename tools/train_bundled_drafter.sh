@@ -8,6 +8,7 @@
 # WORK/run/checkpoint.pt). The drafter was trained in stages, each continuing the previous one (docs/training.md):
 #   INIT=<previous drafter> [LAYERS=N to grow it] EPOCHS=E LR=... [WARMUP=0.02] [COMPILE=1: --compile-draft, ~1.4x]
 #   [TIME_LIMIT=MIN: --time-limit, stop cleanly before a job's wall-clock limit; run the script again to resume]
+#   [DISTILL=W: --distill-weight W, labels mixed with the target's own distribution (experimental)]
 #   (without INIT: a new LAYERS-layer drafter)
 set -euo pipefail
 GGUF=${GGUF:?path of the SmolLM2-135M-Instruct Q4_1 GGUF}
@@ -36,7 +37,7 @@ shape=(--draft-layers "${LAYERS:-3}" --block-size 16)
 resume=""
 [ -f "$WORK/run/checkpoint.pt" ] && resume="--resume"
 $BLOCKSPEC train-draft --target "$GGUF" --data "${data[@]}" --out "$WORK/run" "${shape[@]}" --epochs "${EPOCHS:-6}" \
-  --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" ${COMPILE:+--compile-draft} ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
+  --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" ${COMPILE:+--compile-draft} ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${DISTILL:+--distill-weight "$DISTILL"} --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
   --eval-every 1000 --val-fraction 0.02 $resume
 cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
 
