@@ -239,3 +239,20 @@ def test_llm_generate_speculate_off(tiny):
     on = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in off] == [o.token_ids for o in on]
     assert all(o.acceptance_lengths == [] for o in off) and all(o.acceptance_lengths for o in on)
+
+
+def test_a_decode_left_without_budget_keeps_its_drafts(tiny):
+    """The token budget runs out inside the running decodes: a request that still fits part of its block verifies
+    fewer drafts, and one that gets no rows this step keeps all its drafts for the next."""
+    lm, draft = tiny
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=3, max_num_batched_tokens=64)
+    for p in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        llm.engine.add_request(p, greedy(20, ignore_eos=True))
+    while any(s.in_prefill or not s.drafts for s in llm.engine.scheduler.running) or not llm.engine.scheduler.running:
+        llm.engine.step()
+    sched = llm.engine.scheduler
+    K = len(sched.running[0].drafts)
+    sched.max_num_batched_tokens = K + 1 + 2  # the first decode whole, 2 rows of the second, none for the third
+    scheduled = sched.schedule()
+    assert [s.num_rows for s in scheduled] == [K + 1, 2]
+    assert [len(s.drafts) for s in sorted(sched.running, key=lambda s: s.arrival)] == [K, 1, K]

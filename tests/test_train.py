@@ -11,6 +11,7 @@ import torch
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.data.shards import write_shards
+from blockspec.errors import BlockspecError
 from blockspec.loading.draft_loader import load_draft
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import prepare
@@ -155,6 +156,25 @@ def test_time_limit_stops_with_a_checkpoint_and_resume_continues(target, tmp_pat
     for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), name
     assert not json.loads((tmp_path / "b" / "train_report.json").read_text())["stopped_by_time_limit"]
+
+
+def test_resume_of_a_checkpoint_older_than_a_setting(target, tmp_path):
+    """A checkpoint written before a trajectory setting existed resumes when the setting has its default (it ran
+    with the default), and is refused when it is changed."""
+    _, lm = target
+    data = random_sequences(24, torch.Generator().manual_seed(3))
+    _run(lm, data, tmp_path, max_steps=2)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    del ckpt["train_config"]["distill_weight"]
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    _, again = _run(lm, data, tmp_path, max_steps=3, resume=True)
+    assert again["progress"]["step"] == 3
+    with pytest.raises(BlockspecError, match=r"distill_weight \(0.0 -> 0.5\)"):
+        cfg = TrainConfig(num_anchors=6, epochs=3, lr=1e-3, batch_anchors=24, grad_accum=2, max_seq_len=36,
+                          max_steps=4, save_every=1000, eval_every=0, distill_weight=0.5)
+        setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
+                                         mask_token_id=MASK), seed=1, device=CPU)
+        train(lm, setup, prepare(data, cfg, "mem"), cfg, tmp_path, None, resume=True, use_tqdm=False)
 
 
 def test_export_round_trips_through_the_inference_loader(target, tmp_path):

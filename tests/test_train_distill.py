@@ -70,7 +70,7 @@ def test_label_sources_are_the_rows_that_predict_each_label(cycles):
     setup = new_draft(lm, DraftShape(1, B, [0, 1], 96, MASK), seed=0, device=CPU)
     fwd = TrainingForward(lm.model, setup.model, [0, 1], cap, "sdpa", compiled=False, distill=0.5)
     _, hidden = fwd.target_pass(mb)
-    src = fwd.label_sources(mb)
+    src = mb.label_src[mb.loss_rows]
     response = torch.cat([s.loss_mask for s in seqs[:6]])
     # the first response token follows the prompt, which the target did not write: every other label must match
     assert bool(response[src + 1].all())
@@ -78,6 +78,10 @@ def test_label_sources_are_the_rows_that_predict_each_label(cycles):
     predicted = lm.model.compute_logits(hidden[src]).argmax(-1)
     assert int(written.sum()) > 100 and torch.equal(predicted[written], mb.labels[mb.loss_rows][written])
     assert float(fwd(mb).loss_sum.detach()) > 0
+    padded = build_micro_batch(seqs[:6], Capacity(4096, 4096, B, pad=True), 16, MASK, slot_weights(B, 7.0),
+                               generator(2))
+    Q = len(mb.label_src)
+    assert torch.equal(padded.label_src[:Q], mb.label_src) and not padded.label_src[Q:].any()
 
 
 def test_trainer_learns_the_synthetic_task_with_distillation(cycles, tmp_path):

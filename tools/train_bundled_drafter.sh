@@ -40,6 +40,9 @@ $BLOCKSPEC train-draft --target "$GGUF" --data "${data[@]}" --out "$WORK/run" "$
   --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" ${COMPILE:+--compile-draft} ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${DISTILL:+--distill-weight "$DISTILL"} --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
   --eval-every 1000 --val-fraction 0.02 $resume
 cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
+if grep -q '"stopped_by_time_limit": true' "$WORK/run/train_report.json"; then
+  echo "stopped by TIME_LIMIT: run this script again to resume (the drafter so far is in $OUT)"; exit 0
+fi
 
 for set in humaneval mtbench; do
   $BLOCKSPEC eval-draft --model "$GGUF" --draft "$WORK/run" --dataset "$set" --max-tokens 256 --max-batch-size 16 \

@@ -71,7 +71,7 @@ class Scheduler:
                 rows = min(seq.prefill_len - seq.num_computed, budget)
             else:
                 rows = min(1 + len(seq.drafts), budget)
-                if rows <= len(seq.drafts):
+                if 0 < rows <= len(seq.drafts):  # a request left without budget keeps its drafts for a later step
                     seq.drafts = seq.drafts[: rows - 1]
             if rows <= 0:
                 continue

@@ -56,6 +56,9 @@ class MicroBatch:
     block_anchor: torch.Tensor  # [Q] int64: a; padding 0 (sees no context)
     block_start: torch.Tensor  # [Q] bool: a is the first token of a response (where a verification walk starts)
     labels: torch.Tensor  # [Q] int64: x_{a+slot} (0 where unused)
+    # [Q] int64: index into the packed tokens of the target position that predicts the label (a + slot - 1), for
+    # distillation; 0 where unused. Built here on the host so the loss needs no host-to-device copy of its own.
+    label_src: torch.Tensor
     weights: torch.Tensor  # [Q] float32: slot weight where the label is a response token, else 0
     loss_rows: torch.Tensor  # [R] int64: the rows with weight > 0, the only ones sent through the lm_head
     blocks_per_seq: list[int]
@@ -96,7 +99,8 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
     B = cap.block_size
     slot = torch.arange(B)
     ids, pos, sid = [], [], []
-    bpos, bseq, banchor, bstart, labels, weights, first = [], [], [], [], [], [], []
+    bpos, bseq, banchor, bstart, labels, src, weights, first = [], [], [], [], [], [], [], []
+    offset = 0  # of this sequence in the packed tokens
     for s, seq in enumerate(seqs):
         L = len(seq.input_ids)
         ids.append(seq.input_ids)
@@ -112,6 +116,8 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
         banchor.append(a.repeat_interleave(B))
         bstart.append(torch.isin(a, torch.tensor(response_starts(seq.loss_mask), dtype=a.dtype)).repeat_interleave(B))
         labels.append(torch.where(inside, seq.input_ids[at_in], 0).flatten())
+        src.append(torch.where(inside, offset + at - 1, 0).clamp(min=0).flatten())
+        offset += L
         # a block ends at its first non-response label: slots past a user turn would ask the drafter to predict
         # the next answer from context that precedes that turn, which inference never does
         weights.append(((seq.loss_mask[at_in] & inside).long().cumprod(1) * slot_w[None]).flatten())
@@ -122,7 +128,7 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
     mb = MicroBatch(
         torch.cat(ids), torch.cat(pos), torch.cat(sid), [len(s.input_ids) for s in seqs],
         block_ids.flatten(), torch.cat(bpos), torch.cat(bseq), torch.cat(banchor), torch.cat(bstart),
-        torch.cat(labels), w,
+        torch.cat(labels), torch.cat(src), w,
         torch.nonzero(w > 0).flatten(), [len(f) for f in first], sum(len(s.input_ids) for s in seqs), n_blocks,
     )
     return _pad(mb, cap, mask_token_id) if cap.pad else mb
@@ -139,6 +145,7 @@ def _pad(mb: MicroBatch, cap: Capacity, mask_token_id: int) -> MicroBatch:
     return MicroBatch(
         ext(mb.input_ids, pt, 0), ext(mb.positions, pt, 0), ext(mb.seq_ids, pt, -1 - torch.arange(T, T + pt)),
         mb.seq_lens, ext(mb.block_ids, pq, mask_token_id), ext(mb.block_pos, pq, 0), ext(mb.block_seq, pq, -1),
-        ext(mb.block_anchor, pq, 0), ext(mb.block_start, pq, False), ext(mb.labels, pq, 0), ext(mb.weights, pq, 0.0),
+        ext(mb.block_anchor, pq, 0), ext(mb.block_start, pq, False), ext(mb.labels, pq, 0), ext(mb.label_src, pq, 0),
+        ext(mb.weights, pq, 0.0),
         mb.loss_rows, mb.blocks_per_seq, mb.num_tokens, mb.num_blocks,
     )

@@ -57,7 +57,8 @@ def load_checkpoint(out_dir: Path, cfg: TrainConfig, draft_config: dict[str, Any
     if ckpt["draft_config"] != draft_config:
         raise BlockspecError(f"{path}: the checkpoint is for a different drafter (draft config differs); resume with "
                              f"the same --draft-layers/--block-size/--target-layer-ids/--intermediate-size/--init")
-    saved = ckpt["train_config"]
+    # a setting added after the checkpoint was written had its default in that run
+    saved = {**TrainConfig().to_dict(), **ckpt["train_config"]}
     changed = [f"{k} ({saved.get(k)!r} -> {v!r})" for k, v in cfg.to_dict().items()
                if k in TRAJECTORY_FIELDS and saved.get(k) != v]
     if changed:

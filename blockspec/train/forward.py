@@ -62,14 +62,6 @@ class TrainingForward:
     def taps(self, mb: MicroBatch, block_mask=None) -> torch.Tensor:
         return self.target_pass(mb, block_mask)[0]
 
-    @staticmethod
-    def label_sources(mb: MicroBatch) -> torch.Tensor:
-        """[R]: for each scored row, the target position that predicts its label (a + slot - 1), as an index into
-        the micro-batch's packed tokens."""
-        starts = torch.tensor([0] + mb.seq_lens[:-1]).cumsum(0).to(mb.block_seq.device)
-        rows = mb.loss_rows
-        return starts[mb.block_seq[rows]] + mb.block_pos[rows] - 1
-
     def hidden(self, mb: MicroBatch, taps: torch.Tensor, block_masks: dict | None = None) -> torch.Tensor:
         """[Q, H] final-normed draft hidden state of every block row."""
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
@@ -86,7 +78,7 @@ class TrainingForward:
         taps, target_hidden = self.target_pass(mb, target_mask)
         hidden = self.hidden(mb, taps, draft_masks)
         # distillation: the target's own distribution over each label (train/loss.py, soft_ce_chunk)
-        target_h = target_hidden[self.label_sources(mb)] if self.loss.distill > 0 else None
+        target_h = target_hidden[mb.label_src[mb.loss_rows]] if self.loss.distill > 0 else None
         losses, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights, target_h)
         B, n = self.cap.block_size, mb.num_blocks
         # hits laid back out as [blocks, B] (unscored rows count as misses, so a block stops at the response end):

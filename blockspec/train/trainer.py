@@ -181,10 +181,10 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     bar.close()
     log.close()
     timed_out = progress.step < stop_at
-    if timed_out:
+    if timed_out:  # no final evaluation: the time is up (the run's end evaluates)
         print(f"train-draft: time limit ({cfg.time_limit_min:g} min) reached at step {progress.step} of {stop_at}; "
               f"the checkpoint and the exported drafter are saved, --resume continues", file=sys.stderr)
-    if not progress.evals or progress.evals[-1]["step"] != progress.step:
+    elif not progress.evals or progress.evals[-1]["step"] != progress.step:
         evaluate()
     save_draft(model, setup.config, out)
     save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
