@@ -1,5 +1,5 @@
-"""The drafter trainer end to end on CPU: it learns a synthetic task to a real tau, resumes identically, exports a
-checkpoint the inference loader reads back exactly, and the `train-draft` CLI runs and rejects bad input."""
+"""The drafter trainer end to end on CPU: it learns a synthetic task to a real tau, exports a checkpoint the inference
+loader reads back exactly, and the `train-draft` CLI runs and rejects bad input (resuming: test_train_resume.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ import torch
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.data.shards import write_shards
-from blockspec.errors import BlockspecError
 from blockspec.loading.draft_loader import load_draft
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import prepare
 from blockspec.train.evaluate import inference_draft
 from blockspec.train.export import save_draft
 from blockspec.train.setup import DraftShape, draft_from, new_draft
-from blockspec.train import trainer
 from blockspec.train.trainer import train
-from test_train_common import MASK, VOCAB, cycle_sequences, random_sequences, tiny_target
+from test_train_common import MASK, VOCAB, cycle_sequences, random_sequences, run_small, tiny_target
 
 CPU = torch.device("cpu")
 SHAPE = DraftShape(num_layers=1, block_size=8, target_layer_ids=[0, 1], intermediate_size=96, mask_token_id=MASK)
@@ -118,69 +116,10 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     assert len(varied) >= 2  # not a trivial all-accepted or all-rejected replay
 
 
-def _run(lm, data, out, max_steps, resume=False, time_limit_min=None):
-    cfg = TrainConfig(num_anchors=6, epochs=3, lr=1e-3, batch_anchors=24, grad_accum=2, max_seq_len=36,
-                      max_steps=max_steps, save_every=1000, eval_every=0, time_limit_min=time_limit_min)
-    setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
-                                     mask_token_id=MASK), seed=1, device=CPU)
-    train(lm, setup, prepare(data, cfg, "mem"), cfg, out, None, resume=resume, use_tqdm=False)
-    return setup.model, torch.load(out / "checkpoint.pt", weights_only=True)
-
-
-def test_resume_continues_identically(target, tmp_path):
-    _, lm = target
-    data = random_sequences(24, torch.Generator().manual_seed(3))
-    straight, ck1 = _run(lm, data, tmp_path / "a", max_steps=7)
-    _run(lm, data, tmp_path / "b", max_steps=3)
-    resumed, ck2 = _run(lm, data, tmp_path / "b", max_steps=7, resume=True)
-    assert ck1["progress"]["step"] == ck2["progress"]["step"] == 7 and ck1["progress"]["epoch"] == 2
-    for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(p, q), name
-    assert str(ck1["optimizer"]) == str(ck2["optimizer"])
-
-
-def test_time_limit_stops_with_a_checkpoint_and_resume_continues(target, tmp_path, monkeypatch):
-    """--time-limit: the run stops at the first step past the limit with a checkpoint, an export and a report that
-    says so; --resume then ends where an uninterrupted run ends."""
-    _, lm = target
-    data = random_sequences(24, torch.Generator().manual_seed(3))
-    straight, _ = _run(lm, data, tmp_path / "a", max_steps=7)
-    minutes = iter(range(100))  # each reading of the clock one minute later
-    monkeypatch.setattr(trainer, "clock", lambda: 60.0 * next(minutes))
-    _, ck = _run(lm, data, tmp_path / "b", max_steps=7, time_limit_min=2.5)
-    report = json.loads((tmp_path / "b" / "train_report.json").read_text())
-    assert ck["progress"]["step"] == report["steps"] == 3 and report["stopped_by_time_limit"]
-    assert (tmp_path / "b" / "model.safetensors").exists()
-    monkeypatch.undo()
-    resumed, _ = _run(lm, data, tmp_path / "b", max_steps=7, resume=True)
-    for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(p, q), name
-    assert not json.loads((tmp_path / "b" / "train_report.json").read_text())["stopped_by_time_limit"]
-
-
-def test_resume_of_a_checkpoint_older_than_a_setting(target, tmp_path):
-    """A checkpoint written before a trajectory setting existed resumes when the setting has its default (it ran
-    with the default), and is refused when it is changed."""
-    _, lm = target
-    data = random_sequences(24, torch.Generator().manual_seed(3))
-    _run(lm, data, tmp_path, max_steps=2)
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    del ckpt["train_config"]["distill_weight"]
-    torch.save(ckpt, tmp_path / "checkpoint.pt")
-    _, again = _run(lm, data, tmp_path, max_steps=3, resume=True)
-    assert again["progress"]["step"] == 3
-    with pytest.raises(BlockspecError, match=r"distill_weight \(0.0 -> 0.5\)"):
-        cfg = TrainConfig(num_anchors=6, epochs=3, lr=1e-3, batch_anchors=24, grad_accum=2, max_seq_len=36,
-                          max_steps=4, save_every=1000, eval_every=0, distill_weight=0.5)
-        setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
-                                         mask_token_id=MASK), seed=1, device=CPU)
-        train(lm, setup, prepare(data, cfg, "mem"), cfg, tmp_path, None, resume=True, use_tqdm=False)
-
-
 def test_export_round_trips_through_the_inference_loader(target, tmp_path):
     root, lm = target
     data = random_sequences(8, torch.Generator().manual_seed(4))
-    model, _ = _run(lm, data, tmp_path, max_steps=2)
+    model, _ = run_small(lm, data, tmp_path, max_steps=2)
     loaded = load_draft(SpeculativeConfig(draft_model=str(tmp_path)), lm)
     assert loaded.spec.target_layer_ids == [0, 2] and loaded.spec.mask_token_id == MASK
     assert loaded.spec.block_size == 4 and loaded.config.num_hidden_layers == 2

@@ -10,6 +10,10 @@ from blockspec.data.shards import TokenSequence
 from blockspec.generate import generate
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
+from blockspec.train.config import TrainConfig
+from blockspec.train.dataset import prepare
+from blockspec.train.setup import DraftShape, new_draft
+from blockspec.train.trainer import train
 from hf_utils import make_hf_model, save_hf_model
 
 VOCAB = 64
@@ -58,3 +62,13 @@ def cycle_sequences(lm: LoadedModel, n: int, prompt_len: int = 6, length: int = 
         mask[prompt_len:] = True
         out.append(TokenSequence(ids, mask))
     return out
+
+
+def run_small(lm, data, out, max_steps, resume=False, time_limit_min=None):
+    """A few steps of a 2-layer block-4 drafter on `data` into `out` -> (model, checkpoint dict)."""
+    cfg = TrainConfig(num_anchors=6, epochs=3, lr=1e-3, batch_anchors=24, grad_accum=2, max_seq_len=36,
+                      max_steps=max_steps, save_every=1000, eval_every=0, time_limit_min=time_limit_min)
+    setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
+                                     mask_token_id=MASK), seed=1, device=torch.device("cpu"))
+    train(lm, setup, prepare(data, cfg, "mem"), cfg, Path(out), None, resume=resume, use_tqdm=False)
+    return setup.model, torch.load(Path(out) / "checkpoint.pt", weights_only=True)
