@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import pytest
 
+import blockspec.data.builder as builder
 import blockspec.data.prompts as prompts_mod
 from blockspec.data.builder import build_dataset
 from blockspec.data.code_prompts import COMPLETE, SOLVE, TEMPLATES
@@ -18,6 +18,7 @@ from blockspec.data.eval_prompts import EVAL_SETS, load_eval_items, load_eval_pr
 from blockspec.data.exclusion import filter_prompts, normalized_hash
 from blockspec.data.prompts import read_prompt_file, read_prompts
 from blockspec.data.shards import read_manifest, read_shards
+from blockspec.engine.llm_engine import LLMEngine
 from blockspec.errors import BlockspecError
 from blockspec.llm import LLM
 from blockspec.loading.loader import load_model
@@ -276,34 +277,54 @@ def test_build_dataset_sampled_is_seeded(target, tmp_path):
 
 
 def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
-    # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed during the second chunk keeps the
-    # first; the same command then generates only the second and the result equals an uninterrupted run.
+    # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed before the second chunk is
+    # written keeps the first; the same command then generates only the second and the result equals an
+    # uninterrupted run.
     monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 4)
     kw = dict(max_tokens=8, max_num_seqs=1, use_tqdm=False)
     build_dataset(target, TRAIN, tmp_path / "whole", **kw)
-    real = LLM.generate
-    calls = []
+    real_write = builder.write_shards
 
-    def dies_on_second(self, prompts, *a, **k):
-        calls.append(len(prompts))
-        if len(calls) == 2:
+    def dies_on_second_part(seqs, out_dir, meta=None, **k):
+        if Path(out_dir).name == "part-00001":
             raise KeyboardInterrupt
-        time.sleep(0.3)  # the first chunk's time must reach the resumed run's manifest
-        return real(self, prompts, *a, **k)
+        return real_write(seqs, out_dir, meta, **k)
 
-    monkeypatch.setattr(LLM, "generate", dies_on_second)
+    monkeypatch.setattr(builder, "write_shards", dies_on_second_part)
     with pytest.raises(KeyboardInterrupt):
         build_dataset(target, TRAIN, tmp_path / "cut", **kw)
-    assert (tmp_path / "cut" / "parts" / "part-00000" / "manifest.json").exists()
+    first = tmp_path / "cut" / "parts" / "part-00000"
+    assert (first / "manifest.json").exists() and not (first.parent / "part-00001").exists()
+    first_seconds = read_manifest(first).meta["seconds"]
+    monkeypatch.setattr(builder, "write_shards", real_write)
     with pytest.raises(BlockspecError, match="left by a run with other prompts or settings"):
         build_dataset(target, TRAIN, tmp_path / "cut", **{**kw, "max_tokens": 9})
-    calls.clear()
-    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts)) or real(self, prompts, *a, **k))
+    added = []
+    real_add = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, p, *a, **k: added.append(p) or real_add(self, p, *a, **k))
     m = build_dataset(target, TRAIN, tmp_path / "cut", **kw)
-    assert calls == [2] and m.num_sequences == 6 and not (tmp_path / "cut" / "parts").exists()
-    assert m.meta["generation_time_s"] >= 0.3
+    assert len(added) == 2 and m.num_sequences == 6 and not (tmp_path / "cut" / "parts").exists()
+    assert first_seconds > 0 and m.meta["generation_time_s"] > first_seconds
     assert [s.input_ids.tolist() for s in read_shards(tmp_path / "cut")] == \
         [s.input_ids.tolist() for s in read_shards(tmp_path / "whole")]
+
+
+def test_chunks_stream_through_one_engine_and_equal_separate_runs(target, tmp_path, monkeypatch):
+    """Every chunk's requests go to one engine at once (the next chunk fills the batch while one drains); the data
+    equals generating each chunk alone, chunk by chunk, in order."""
+    monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 1)
+    added, at_write = [], []
+    real_add, real_write = LLMEngine.add_request, builder.write_shards
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, p, *a, **k: added.append(p) or real_add(self, p, *a, **k))
+    monkeypatch.setattr(builder, "write_shards", lambda *a, **k: at_write.append(len(added)) or real_write(*a, **k))
+    m = build_dataset(target, TRAIN, tmp_path / "streamed", max_tokens=12, max_num_seqs=2, use_tqdm=False)
+    assert m.num_sequences == 6 and at_write[:3] == [6, 6, 6]  # 3 chunks, all requests queued before the first write
+    monkeypatch.undo()
+    alone = []
+    for i in range(0, 6, 2):
+        build_dataset(target, TRAIN[i:i + 2], tmp_path / f"alone{i}", max_tokens=12, max_num_seqs=2, use_tqdm=False)
+        alone += read_shards(tmp_path / f"alone{i}")
+    assert [s.input_ids.tolist() for s in read_shards(tmp_path / "streamed")] == [s.input_ids.tolist() for s in alone]
 
 
 def test_build_dataset_nothing_left(target, tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm import tqdm
 
 from blockspec.data.eval_prompts import EVAL_SETS
 from blockspec.data.exclusion import filter_prompts
@@ -74,32 +75,30 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     # admissions in groups of 1/16 of the batch: most steps stay on the decode step's CUDA graph (EngineConfig)
     llm = LLM.from_loaded(lm, draft, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
                           max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs), min_admit=max(1, seqs // 16))
-    # Generated in chunks, each written as soon as it is done (OUT/parts/part-N): a run stopped by a time limit
-    # keeps its finished chunks, and the same command continues after them. A chunk's last requests run in an
-    # emptying batch, so chunks span several batches' worth of prompts.
+    # Written in chunks, each as soon as all its requests are done (OUT/parts/part-N): a run stopped by a time limit
+    # keeps its finished chunks, and the same command continues after them.
     chunk = CHUNK_BATCHES * seqs
     parts = Path(out_dir) / "parts"
     key = hashlib.sha256(json.dumps([str(lm.source.name), lm.config.num_hidden_layers, lm.config.hidden_size, kept,
                                      max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
-    reasons: Counter[str] = Counter()
-    seconds, untimed = 0.0, 0  # summed over chunks, so a run that resumes reports the whole generation time
-    for c, start in enumerate(range(0, len(kept), chunk)):
+    starts = list(range(0, len(kept), chunk))
+    for c in range(len(starts)):
         part = parts / f"part-{c:05d}"
         if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
             raise BlockspecError(f"{part}: left by a run with other prompts or settings; remove {parts} to start over")
-        if not (part / MANIFEST).exists():
-            ids = kept[start:start + chunk]
-            if temperature == 0.0:
-                params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=max_tokens)
-            else:
-                params = [SamplingParams(temperature=temperature, seed=seed + start + i, max_tokens=max_tokens)
-                          for i in range(len(ids))]
-            t0 = time.perf_counter()
-            outs = llm.generate(ids, params, use_tqdm=use_tqdm)
-            write_shards(_sequences(ids, [o.token_ids for o in outs]), part,
-                         {"finish_reasons": dict(Counter(o.finish_reason for o in outs)), "key": key,
-                          "seconds": round(time.perf_counter() - t0, 2)})
-        meta_c = read_manifest(part).meta
+
+    def params(i: int) -> SamplingParams:  # prompt i's sampling: greedy, or seeded by its index
+        if temperature == 0.0:
+            return SamplingParams(max_tokens=max_tokens)
+        return SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens)
+
+    todo = [(parts / f"part-{c:05d}", range(s, min(s + chunk, len(kept))))
+            for c, s in enumerate(starts) if not (parts / f"part-{c:05d}" / MANIFEST).exists()]
+    _generate_chunks(llm, kept, todo, params, key, use_tqdm)
+    reasons: Counter[str] = Counter()
+    seconds, untimed = 0.0, 0  # summed over chunks, so a run that resumes reports the whole generation time
+    for c in range(len(starts)):
+        meta_c = read_manifest(parts / f"part-{c:05d}").meta
         reasons.update(meta_c["finish_reasons"])
         seconds += meta_c.get("seconds", 0.0)
         untimed += "seconds" not in meta_c  # written by a version that did not time its chunks
@@ -117,6 +116,38 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     manifest = write_shards(done, out_dir, info)
     shutil.rmtree(parts)
     return manifest
+
+
+def _generate_chunks(llm, kept: list[list[int]], todo: list[tuple[Path, range]], params, key: str,
+                     use_tqdm: bool) -> None:
+    """Generate the prompts of every chunk in `todo` (its directory, its prompt indices) and write each chunk as soon
+    as all its requests are done, in order. All chunks go to the engine at once and are admitted in order, so the
+    long last requests of one chunk share the batch with the first ones of the next instead of draining it."""
+    engine = llm.engine
+    chunk_of: dict[str, int] = {}
+    members: list[list[str]] = []
+    for c, (_, idx) in enumerate(todo):
+        members.append([engine.add_request(kept[i], params(i)) for i in idx])
+        chunk_of.update((r, c) for r in members[-1])
+    left = [len(m) for m in members]
+    done: dict[str, Any] = {}
+    nxt, t0 = 0, time.perf_counter()
+    with tqdm(total=len(chunk_of), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        while nxt < len(todo):
+            if not engine.has_unfinished():
+                raise BlockspecError("the engine stopped with requests of a chunk unfinished")  # cannot happen
+            for out in engine.step(finished_only=True):
+                done[out.request_id] = out
+                left[chunk_of[out.request_id]] -= 1
+                bar.update(1)
+            while nxt < len(todo) and left[nxt] == 0:
+                part, idx = todo[nxt]
+                outs = [done.pop(r) for r in members[nxt]]
+                now = time.perf_counter()
+                write_shards(_sequences([kept[i] for i in idx], [o.token_ids for o in outs]), part,
+                             {"finish_reasons": dict(Counter(o.finish_reason for o in outs)), "key": key,
+                              "seconds": round(now - t0, 2)})
+                nxt, t0 = nxt + 1, now
 
 
 def _sequences(prompts: list[list[int]], responses: list[list[int]]) -> list[TokenSequence]:
