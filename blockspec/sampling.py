@@ -13,6 +13,7 @@ import torch
 
 from blockspec import rng
 from blockspec.errors import ConfigError
+from blockspec.host_tensors import host_tensor
 
 
 @dataclass
@@ -66,10 +67,10 @@ class SamplingRows:
     def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device, vocab_size: int) -> "SamplingRows":
         top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
         return cls(
-            torch.tensor([float(p.temperature) for p in params], dtype=torch.float32, device=device),
-            torch.tensor(top_k, dtype=torch.int64, device=device),
-            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
-            torch.tensor(seeds, dtype=torch.int64, device=device),
+            host_tensor([float(p.temperature) for p in params], torch.float32, device),
+            host_tensor(top_k, torch.int64, device),
+            host_tensor([float(p.top_p) for p in params], torch.float32, device),
+            host_tensor(seeds, torch.int64, device),
             all(p.greedy for p in params), any(k > 0 for k in top_k), any(p.top_p < 1.0 for p in params),
         )
 

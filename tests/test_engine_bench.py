@@ -4,12 +4,14 @@ tau in both rows), blockspec.bench.host, and the vectorized block-table builder 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from blockspec.bench.datagen import make_pair, measure, workload
 from blockspec.bench.host import decode_step_ms
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.sequence import Sequence, block_tables
+from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams
 from blockspec.spec.stats import SpecStats
 
@@ -42,3 +44,11 @@ def test_host_bench_restores_the_decode_step():
     real = DecodeStep.forward
     assert decode_step_ms(4, 3, 2, new_tokens=24) > 0
     assert DecodeStep.forward is real
+
+
+@pytest.mark.parametrize("values,dtype", [([3, 1, 2], torch.int64), ([[1, 2], [3, 4]], torch.int64), ([], torch.int64),
+                                          ([[], []], torch.int64), ([0.5, 1.0], torch.float32),
+                                          ([True, False], torch.bool), ([7, 9], torch.int32)])
+def test_host_tensor_equals_torch_tensor(values, dtype):
+    got, want = host_tensor(values, dtype), torch.tensor(values, dtype=dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)

@@ -17,6 +17,7 @@ import torch
 from blockspec import rng
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.sequence import Sequence, block_tables
+from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams, SamplingRows, sample_rows
 from blockspec.spec.verify import accept_tokens
 
@@ -133,11 +134,10 @@ class DecodeStep:
         rows = SamplingRows.build([s.params for s in seqs] + [SamplingParams()] * pad, [s.seed for s in seqs] + [0] * pad,
                                   cpu, self.runner.vocab_size)
         host = {
-            # flat lists convert several times faster than nested ones
-            "input_ids": torch.tensor([t for s in seqs for t in (s.bonus, *s.drafts)] + [0] * (pad * (K + 1))
-                                      ).view(B, K + 1),
-            "start": torch.tensor([s.num_computed for s in seqs] + [0] * pad),
-            "valid": torch.tensor([True] * n + [False] * pad), "block_tables": tables,
+            "input_ids": host_tensor([t for s in seqs for t in (s.bonus, *s.drafts)] + [0] * (pad * (K + 1))
+                                     ).view(B, K + 1),
+            "start": host_tensor([s.num_computed for s in seqs] + [0] * pad),
+            "valid": host_tensor([True] * n + [False] * pad, torch.bool), "block_tables": tables,
             "temperature": rows.temperature, "top_k": rows.top_k, "top_p": rows.top_p, "seeds": rows.seeds,
         }
         for name, value in host.items():

@@ -21,6 +21,7 @@ from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.decode_step import DecodeStep, forced_accept
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence, block_tables
+from blockspec.host_tensors import host_tensor
 from blockspec.kv.pool import KVPool
 from blockspec.layers import kernels
 from blockspec.loading.draft_loader import LoadedDraft
@@ -58,7 +59,7 @@ class ModelRunner:
         self.split_mixed = False  # EngineConfig.split_mixed_steps
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return host_tensor(values, dtype, self.device)
 
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:

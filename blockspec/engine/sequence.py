@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams
 from blockspec.spec.stats import SpecStats
 
@@ -72,7 +73,7 @@ def block_tables(seqs: list[Sequence], width: int, device: torch.device) -> torc
     tables = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
     # one tensor from the concatenated tables and one masked store: a tensor per request costs ~10 us each, which
     # is milliseconds per step at hundreds of requests
-    lens = torch.tensor([len(s.block_table) for s in seqs])
-    tables[torch.arange(tables.shape[1]) < lens[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(s.block_table for s in seqs)), dtype=torch.long)
+    lens = host_tensor([len(s.block_table) for s in seqs])
+    tables[torch.arange(tables.shape[1]) < lens[:, None]] = host_tensor(
+        list(itertools.chain.from_iterable(s.block_table for s in seqs)))
     return tables.to(device)
