@@ -276,6 +276,17 @@ def test_build_dataset_sampled_is_seeded(target, tmp_path):
     assert ids[0] == ids[1] and ids[0] != ids[2]
 
 
+def test_sampled_seeds_follow_the_prompt_not_the_chunk(target, tmp_path, monkeypatch):
+    """Prompt i is sampled with seed + i whatever chunk it lands in (and whichever request finishes first), so
+    chunks of 2 prompts, streamed together, give the data of one single chunk."""
+    kw = dict(max_tokens=10, temperature=1.0, seed=3, max_num_seqs=2, use_tqdm=False)
+    build_dataset(target, TRAIN, tmp_path / "one", **kw)  # 6 prompts < 8 batches of 2: one chunk
+    monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 1)
+    build_dataset(target, TRAIN, tmp_path / "three", **kw)
+    one, three = ([s.input_ids.tolist() for s in read_shards(tmp_path / d)] for d in ("one", "three"))
+    assert one == three and len({tuple(x) for x in one}) == 6
+
+
 def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
     # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed before the second chunk is
     # written keeps the first; the same command then generates only the second and the result equals an
