@@ -143,8 +143,11 @@ def _generate_chunks(llm, kept: list[list[int]], todo: list[tuple[Path, range]],
             while nxt < len(todo) and left[nxt] == 0:
                 part, idx = todo[nxt]
                 outs = [done.pop(r) for r in members[nxt]]
+                # a request the engine failed (finish_reason "error", counted in the manifest) has a partial answer:
+                # it is left out of the training data
+                good = [(kept[i], o.token_ids) for i, o in zip(idx, outs) if o.finish_reason != "error"]
                 now = time.perf_counter()
-                write_shards(_sequences([kept[i] for i in idx], [o.token_ids for o in outs]), part,
+                write_shards(_sequences([p for p, _ in good], [t for _, t in good]), part,
                              {"finish_reasons": dict(Counter(o.finish_reason for o in outs)), "key": key,
                               "seconds": round(now - t0, 2)})
                 nxt, t0 = nxt + 1, now
