@@ -302,6 +302,13 @@ def test_a_request_the_engine_fails_is_left_out(target, tmp_path, monkeypatch):
     assert all(s.input_ids[: len(first_prompt)].tolist() != first_prompt for s in read_shards(tmp_path / "d"))
 
 
+def _spy_add_request(monkeypatch) -> list:
+    """The prompts handed to LLMEngine.add_request from now on, in order."""
+    added, real = [], LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, p, *a, **k: added.append(p) or real(self, p, *a, **k))
+    return added
+
+
 def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
     # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed before the second chunk is
     # written keeps the first; the same command then generates only the second and the result equals an
@@ -325,9 +332,7 @@ def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
     monkeypatch.setattr(builder, "write_shards", real_write)
     with pytest.raises(BlockspecError, match="left by a run with other prompts or settings"):
         build_dataset(target, TRAIN, tmp_path / "cut", **{**kw, "max_tokens": 9})
-    added = []
-    real_add = LLMEngine.add_request
-    monkeypatch.setattr(LLMEngine, "add_request", lambda self, p, *a, **k: added.append(p) or real_add(self, p, *a, **k))
+    added = _spy_add_request(monkeypatch)
     m = build_dataset(target, TRAIN, tmp_path / "cut", **kw)
     assert len(added) == 2 and m.num_sequences == 6 and not (tmp_path / "cut" / "parts").exists()
     assert first_seconds > 0 and m.meta["generation_time_s"] > first_seconds
@@ -339,9 +344,7 @@ def test_chunks_stream_through_one_engine_and_equal_separate_runs(target, tmp_pa
     """Every chunk's requests go to one engine at once (the next chunk fills the batch while one drains); the data
     equals generating each chunk alone, chunk by chunk, in order."""
     monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 1)
-    added, at_write = [], []
-    real_add, real_write = LLMEngine.add_request, builder.write_shards
-    monkeypatch.setattr(LLMEngine, "add_request", lambda self, p, *a, **k: added.append(p) or real_add(self, p, *a, **k))
+    added, at_write, real_write = _spy_add_request(monkeypatch), [], builder.write_shards
     monkeypatch.setattr(builder, "write_shards", lambda *a, **k: at_write.append(len(added)) or real_write(*a, **k))
     m = build_dataset(target, TRAIN, tmp_path / "streamed", max_tokens=12, max_num_seqs=2, use_tqdm=False)
     assert m.num_sequences == 6 and at_write[:3] == [6, 6, 6]  # 3 chunks, all requests queued before the first write
