@@ -82,8 +82,8 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     key = hashlib.sha256(json.dumps([str(lm.source.name), lm.config.num_hidden_layers, lm.config.hidden_size, kept,
                                      max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
     starts = list(range(0, len(kept), chunk))
-    for c in range(len(starts)):
-        part = parts / f"part-{c:05d}"
+    part_dirs = [parts / f"part-{c:05d}" for c in range(len(starts))]
+    for part in part_dirs:
         if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
             raise BlockspecError(f"{part}: left by a run with other prompts or settings; remove {parts} to start over")
 
@@ -92,17 +92,17 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
             return SamplingParams(max_tokens=max_tokens)
         return SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens)
 
-    todo = [(parts / f"part-{c:05d}", range(s, min(s + chunk, len(kept))))
-            for c, s in enumerate(starts) if not (parts / f"part-{c:05d}" / MANIFEST).exists()]
+    todo = [(part, range(s, min(s + chunk, len(kept))))
+            for part, s in zip(part_dirs, starts) if not (part / MANIFEST).exists()]
     _generate_chunks(llm, kept, todo, params, key, use_tqdm)
     reasons: Counter[str] = Counter()
     seconds, untimed = 0.0, 0  # summed over chunks, so a run that resumes reports the whole generation time
-    for c in range(len(starts)):
-        meta_c = read_manifest(parts / f"part-{c:05d}").meta
+    for part in part_dirs:
+        meta_c = read_manifest(part).meta
         reasons.update(meta_c["finish_reasons"])
         seconds += meta_c.get("seconds", 0.0)
         untimed += "seconds" not in meta_c  # written by a version that did not time its chunks
-    done = [s for c in range(-(-len(kept) // chunk)) for s in read_shards(parts / f"part-{c:05d}")]
+    done = [s for part in part_dirs for s in read_shards(part)]
 
     info = {
         "target": str(lm.source.name), "chat_template": chat, "max_tokens": max_tokens,

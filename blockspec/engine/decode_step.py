@@ -80,24 +80,24 @@ class DecodeStep:
         draft = self.runner.draft
         return draft.spec.draft_rows(K) if draft is not None and K > 0 else K + 1
 
+    def _takes(self, s) -> bool:
+        """Whether the decode step can run this scheduled request: decoding, with argmax drafts (or none; drafts
+        need a drafter)."""
+        return not s.is_prefill and s.seq.draft_probs is None and (self.runner.draft is not None or not s.seq.drafts)
+
     def eligible(self, scheduled: list) -> int | None:
         """K when every scheduled request decodes with K argmax drafts (or none) and the batch fits a bucket."""
         if not scheduled or len(scheduled) > self.buckets[-1]:
             return None
         K = len(scheduled[0].seq.drafts)
-        for s in scheduled:
-            if s.is_prefill or len(s.seq.drafts) != K or s.seq.draft_probs is not None:
-                return None
-        if K > 0 and self.runner.draft is None:
-            return None
-        return K
+        return K if all(self._takes(s) and len(s.seq.drafts) == K for s in scheduled) else None
 
     def split(self, scheduled: list) -> tuple[list, list]:
         """A mixed step's requests -> (the largest group the decode step can take: decoding with the same K argmax
         drafts, at most the largest bucket; everything else)."""
         groups: dict[int, list] = {}
         for s in scheduled:
-            if not s.is_prefill and s.seq.draft_probs is None and (self.runner.draft is not None or not s.seq.drafts):
+            if self._takes(s):
                 groups.setdefault(len(s.seq.drafts), []).append(s)
         if not groups:
             return [], list(scheduled)
