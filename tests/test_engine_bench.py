@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.bench.datagen import make_pair, measure, workload
+from blockspec.bench.datagen import measure, workload
+from blockspec.bench.random_pair import make_pair
 from blockspec.bench.host import decode_step_ms
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.sequence import Sequence, block_tables

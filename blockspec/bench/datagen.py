@@ -16,37 +16,17 @@ import time
 
 import torch
 
-from blockspec.config import ResolvedSpec
+from blockspec.bench.random_pair import make_pair
+from blockspec.bench.step import instrument
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
-from blockspec.loading.loader import LoadedModel, instantiate
-from blockspec.models.config import ModelConfig
-from blockspec.models.dflash import DFlashDraftModel
-from blockspec.models.dflash_config import DFlashConfig
+from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
 
 SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                     rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
 TAPS, MASK = [1, 8, 14, 20, 27], 49151
-
-
-def make_pair(shape: dict, K: int, draft_layers: int, taps: list[int], mask: int, device: torch.device,
-              dtype: torch.dtype) -> tuple[LoadedModel, LoadedDraft]:
-    """A target of `shape` and a block-16 drafter over it, both with random weights (std 0.02)."""
-    cfg = ModelConfig.from_hf({**shape, "dtype": str(dtype).removeprefix("torch.")})
-    target = instantiate(cfg, device, dtype)
-    dcfg = DFlashConfig.from_hf({**shape, "architectures": ["DFlashDraftModel"], "num_hidden_layers": draft_layers,
-                                 "block_size": 16, "dflash_config": {"mask_token_id": mask, "target_layer_ids": taps}},
-                                "bench")
-    with torch.device(device):
-        draft = DFlashDraftModel(dcfg, num_taps=len(taps)).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for m in (target, draft):
-        for p in m.parameters():
-            p.data.normal_(0, 0.02, generator=gen)
-    lm = LoadedModel(target.eval(), cfg, None, [], None)  # type: ignore[arg-type]
-    return lm, LoadedDraft(draft.eval(), dcfg, ResolvedSpec(K, mask, taps, 16, False))
 
 
 def workload(n: int, vocab: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int], seed: int = 0
@@ -62,15 +42,13 @@ def measure(lm: LoadedModel, draft: LoadedDraft, batch: int, tau: float, prompts
             params: list[SamplingParams], split: bool) -> dict:
     """Generate the workload once to warm up (CUDA graphs of every bucket it reaches are captured there), then
     again timed; tokens/s and the host breakdown of the timed run."""
-    from blockspec.bench.step import _instrument
-
     mean_prompt = sum(map(len, prompts)) // len(prompts)
     kv = batch * (mean_prompt + max(p.max_tokens for p in params) + 2 * draft.spec.num_draft_tokens + 2)
     llm = LLM.from_loaded(lm, draft, max_num_seqs=batch, kv_cache_tokens=kv, min_admit=max(1, batch // 16),
                           max_num_batched_tokens=16384, bench_forced_tau=tau, split_mixed_steps=split,
                           enable_prefix_caching=False)  # the timed run must not hit the warm-up's prompts
     llm.generate(prompts, params, use_tqdm=False)
-    host = _instrument(llm.engine)
+    host = instrument(llm.engine)
     sync = torch.cuda.synchronize if lm.model.lm_head.weight.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()

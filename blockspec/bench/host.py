@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from blockspec.bench.datagen import make_pair, workload
+from blockspec.bench.datagen import workload
+from blockspec.bench.random_pair import make_pair
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.llm import LLM
 

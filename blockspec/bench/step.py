@@ -17,19 +17,17 @@ import time
 
 import torch
 
-from blockspec.config import EngineConfig, ResolvedSpec
+from blockspec.bench.random_pair import make_pair
+from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import DecodeBuffers
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.loading.draft_loader import LoadedDraft
-from blockspec.loading.loader import LoadedModel, instantiate
-from blockspec.models.config import ModelConfig
-from blockspec.models.dflash import DFlashDraftModel
-from blockspec.models.dflash_config import DFlashConfig
+from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams, SamplingRows
 
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, dtype="bfloat16")
+                rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False)
 MASK, TAPS = 151669, [1, 9, 17, 25, 33]
 
 
@@ -57,21 +55,6 @@ def free_memory() -> None:
     """Engines hold reference cycles (runner <-> decode step) and graph pools: collect them before the next pool."""
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def make_models(K: int) -> tuple[LoadedModel, LoadedDraft]:
-    cfg = ModelConfig.from_hf(QWEN3_8B)
-    target = instantiate(cfg, torch.device("cuda"), torch.bfloat16)
-    dcfg = DFlashConfig.from_hf({**QWEN3_8B, "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5,
-                                 "block_size": 16, "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TAPS}},
-                                "bench")
-    with torch.device("cuda"):
-        draft = DFlashDraftModel(dcfg, num_taps=len(TAPS)).to(torch.bfloat16)
-    for m in (target, draft):
-        for p in m.parameters():
-            p.data.normal_(0, 0.02)
-    lm = LoadedModel(target.eval(), cfg, None, [], None)  # type: ignore[arg-type]
-    return lm, LoadedDraft(draft.eval(), dcfg, ResolvedSpec(K, MASK, TAPS, 16, False))
 
 
 def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tuple[float, float, dict | None]:
@@ -108,7 +91,7 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     # capture graphs and compile the prefill kernels on a prompt of the same length that is NOT timed: reusing a
     # timed prompt would make its prefill a prefix-cache hit of another shape (a Triton compile inside the timing)
     llm.generate(warm, SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)
-    host = _instrument(llm.engine)
+    host = instrument(llm.engine)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -121,7 +104,7 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
             "host_breakdown_s": {k: round(v, 4) for k, v in host.items()}}
 
 
-def _instrument(engine: LLMEngine) -> dict[str, float]:
+def instrument(engine: LLMEngine) -> dict[str, float]:
     """Wall time spent in each part of the engine's step (and call counts), accumulated into the returned dict."""
     totals: dict[str, float] = {}
 
@@ -178,7 +161,7 @@ def main() -> None:
     ap.add_argument("--forced-tau", type=float, default=6.5, help="benchmark-only acceptance for end-to-end tok/s")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    lm, draft = make_models(args.K)
+    lm, draft = make_pair(QWEN3_8B, args.K, 5, TAPS, MASK, torch.device("cuda"), torch.bfloat16)
     t_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     d_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
     head = lm.model.lm_head.weight.numel() * lm.model.lm_head.weight.element_size()
