@@ -18,23 +18,11 @@ from blockspec.train.evaluate import inference_draft
 from blockspec.train.export import save_draft
 from blockspec.train.setup import DraftShape, draft_from, new_draft
 from blockspec.train.trainer import train
-from test_train_common import MASK, VOCAB, cycle_sequences, random_sequences, run_small, tiny_target
+from test_train_common import MASK, VOCAB, random_sequences, run_small
+from test_train_common import cycles, target  # noqa: F401 - fixtures, used by name
 
 CPU = torch.device("cpu")
 SHAPE = DraftShape(num_layers=1, block_size=8, target_layer_ids=[0, 1], intermediate_size=96, mask_token_id=MASK)
-
-
-@pytest.fixture(scope="module")
-def cycles(tmp_path_factory):
-    """A target that learned two token cycles, and on-policy data: its own greedy continuations."""
-    lm = tiny_target(tmp_path_factory.mktemp("cycle_target"), layers=2, train_cycles=True)
-    return lm, cycle_sequences(lm, 40)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_target")
-    return root, tiny_target(root)
 
 
 def test_learns_the_synthetic_task_to_a_real_tau(cycles, tmp_path):

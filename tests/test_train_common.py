@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from blockspec.data.shards import TokenSequence
@@ -72,3 +73,17 @@ def run_small(lm, data, out, max_steps, resume=False, time_limit_min=None):
                                      mask_token_id=MASK), seed=1, device=torch.device("cpu"))
     train(lm, setup, prepare(data, cfg, "mem"), cfg, Path(out), None, resume=resume, use_tqdm=False)
     return setup.model, torch.load(Path(out) / "checkpoint.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def cycles(tmp_path_factory):
+    """A target that learned two token cycles, and on-policy data: its own greedy continuations."""
+    lm = tiny_target(tmp_path_factory.mktemp("cycle_target"), layers=2, train_cycles=True)
+    return lm, cycle_sequences(lm, 40)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(its directory, a random tiny target)."""
+    root = tmp_path_factory.mktemp("train_target")
+    return root, tiny_target(root)

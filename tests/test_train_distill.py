@@ -20,7 +20,8 @@ from blockspec.train.forward import TrainingForward
 from blockspec.train.loss import BlockLoss
 from blockspec.train.setup import DraftShape, new_draft
 from blockspec.train.trainer import train
-from test_train_common import MASK, cycle_sequences, tiny_target
+from test_train_common import MASK
+from test_train_common import cycles  # noqa: F401 - fixture, used by name
 
 CPU = torch.device("cpu")
 
@@ -52,13 +53,6 @@ def test_distill_loss_matches_autograd_through_compute_logits(transform):
     assert torch.equal(hits, logits.argmax(-1) == labels[rows])
     with pytest.raises(ValueError, match="target_h"):
         loss(hidden, rows, labels, weights)
-
-
-@pytest.fixture(scope="module")
-def cycles(tmp_path_factory):
-    """A target that learned two token cycles, and its own greedy continuations (on-policy data)."""
-    lm = tiny_target(tmp_path_factory.mktemp("distill_target"), layers=2, train_cycles=True)
-    return lm, cycle_sequences(lm, 40)
 
 
 def test_label_sources_are_the_rows_that_predict_each_label(cycles):

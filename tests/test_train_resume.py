@@ -14,15 +14,10 @@ from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import prepare
 from blockspec.train.setup import DraftShape, new_draft
 from blockspec.train.trainer import train
-from test_train_common import MASK, random_sequences, run_small, tiny_target
+from test_train_common import MASK, random_sequences, run_small
+from test_train_common import target  # noqa: F401 - fixture, used by name
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume_target")
-    return root, tiny_target(root)
 
 
 def test_resume_continues_identically(target, tmp_path):
