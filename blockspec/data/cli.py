@@ -26,8 +26,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "same data, less time)")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
                    help="drafts verified per step with --draft (default: the drafter's block size - 1)")
-    p.add_argument("--split-mixed-steps", action="store_true",
-                   help="steps that admit prompts run their decoding requests on the decode step (same data)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
 
@@ -60,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_batch_size,
         meta={"prompt_files": found.summary(), "first_turn_only": args.first_turn_only, "limit": args.limit,
               "draft": args.draft},
-        draft=draft, split_mixed_steps=args.split_mixed_steps,
+        draft=draft,
     )
     m = manifest.meta
     print(f"wrote {manifest.num_sequences} sequences ({manifest.num_tokens} tokens, {manifest.num_response_tokens} "
