@@ -285,3 +285,23 @@ def test_walk_weight_adds_the_visited_blocks_losses_once_more(target):
     extra = sum(float(losses[(mb.loss_rows // B) == j].sum()) for j in visited)
     assert len(visited) >= 3 and extra > 0
     assert float(r1.loss_sum) == pytest.approx(float(r0.loss_sum) + extra, rel=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_prefix_weight_scales_the_slots_past_a_miss(target, p):
+    lm, B = target, 4
+    draft, _, cap, mb = _small_batch(lm, 100, B)
+    plain = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
+    scaled = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, prefix_weight=p)
+    with torch.no_grad():
+        r0, r1 = plain(mb), scaled(mb)
+        losses, hits = plain.loss(plain.hidden(mb, plain.taps(mb)), mb.loss_rows, mb.labels, mb.weights)
+    hit = dict(zip(mb.loss_rows.tolist(), hits.tolist()))  # row -> hit; unscored rows count as misses
+    want, past_miss = 0.0, 0
+    for row, loss in zip(mb.loss_rows.tolist(), losses.tolist()):
+        start = row - row % B
+        reached = all(hit.get(start + j, False) for j in range(1, row % B))
+        past_miss += not reached
+        want += loss * (1.0 if reached else 1.0 - p)
+    assert past_miss >= 3 and torch.equal(r0.block_accepted, r1.block_accepted)
+    assert float(r1.loss_sum) == pytest.approx(want, rel=1e-5) and float(r1.loss_sum) < float(r0.loss_sum)

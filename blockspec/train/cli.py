@@ -50,6 +50,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--distill-weight", type=float, default=0.0, metavar="W", help="mix the target's own "
                    "next-token distribution into the labels: (1 - W) onehot + W p_target (0: hard labels, the paper's "
                    "loss; experimental)")
+    t.add_argument("--prefix-weight", type=float, default=0.0, metavar="P", help="scale a slot's loss by 1 - P "
+                   "where the drafter missed an earlier slot of its block (verification never reaches it there); 0: "
+                   "off, 1: only reachable slots train (experimental)")
     t.add_argument("--compile-draft", action="store_true", help="CUDA: run the draft layers under torch.compile, "
                    "fusing their element-wise work over the block rows (experimental: docs/training.md)")
     t.add_argument("--seed", type=int, default=0)
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, time_limit_min=args.time_limit,
         save_every=args.save_every, eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens,
         attention=args.attention, val_fraction=args.val_fraction, walk_weight=args.walk_weight,
-        distill_weight=args.distill_weight, compile_draft=args.compile_draft,
+        distill_weight=args.distill_weight, prefix_weight=args.prefix_weight, compile_draft=args.compile_draft,
     )
     if args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")

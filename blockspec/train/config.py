@@ -10,7 +10,7 @@ from blockspec.errors import ConfigError
 # Fields that fix the sequence of batches and updates: a checkpoint resumes only under the same values.
 TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_ratio", "grad_clip", "grad_accum",
                      "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction",
-                     "walk_weight", "distill_weight")
+                     "walk_weight", "distill_weight", "prefix_weight")
 
 
 @dataclass
@@ -42,6 +42,9 @@ class TrainConfig:
     walk_weight: float = 0.0  # extra loss weight of the blocks a verification walk visits (train/walk.py); 0: off
     # labels mixed with the target's own next-token distribution: (1 - w) onehot + w p_target (train/loss.py); 0: off
     distill_weight: float = 0.0
+    # a slot's loss x (1 - p) unless the drafter hit every earlier slot of its block, where verification would reach
+    # it (train/forward.py); 0: off
+    prefix_weight: float = 0.0
     compile_draft: bool = False  # CUDA: the draft layers under torch.compile (train/compiled_draft.py); experimental
 
     def __post_init__(self) -> None:
@@ -69,6 +72,8 @@ class TrainConfig:
             raise ConfigError(f"loss_gamma={self.loss_gamma!r} must be > 0")
         if not 0 <= self.distill_weight <= 1:
             raise ConfigError(f"distill_weight={self.distill_weight!r} must be in [0, 1]")
+        if not 0 <= self.prefix_weight <= 1:
+            raise ConfigError(f"prefix_weight={self.prefix_weight!r} must be in [0, 1]")
         if not self.walk_weight >= 0:
             raise ConfigError(f"walk_weight={self.walk_weight!r} must be >= 0")
         if not 0 <= self.val_fraction < 1:

@@ -36,9 +36,9 @@ class TrainingForward:
 
     def __init__(self, target: nn.Module, draft: DFlashDraftModel, tap_layers: list[int], cap: Capacity,
                  attention: str, compiled: bool, walk_weight: float = 0.0, draft_backend: str | None = None,
-                 distill: float = 0.0) -> None:
+                 distill: float = 0.0, prefix_weight: float = 0.0) -> None:
         self.target, self.draft, self.tap_layers, self.cap = target, draft, tap_layers, cap
-        self.walk_weight = walk_weight
+        self.walk_weight, self.prefix_weight = walk_weight, prefix_weight
         target.requires_grad_(False)
         self.device = target.embed_tokens.weight.device
         cuda = self.device.type == "cuda"
@@ -85,7 +85,13 @@ class TrainingForward:
         # the training-side acceptance length, comparable with the engine's tau on similar prompts
         grid = torch.zeros(len(mb.block_ids), dtype=torch.float32, device=hits.device)
         grid[mb.loss_rows] = hits.float()
-        per_block = grid[: n * B].view(-1, B)[:, 1:].cumprod(1).sum(1)  # real blocks come first
+        run = grid[: n * B].view(-1, B)[:, 1:].cumprod(1)  # [n, B - 1]: slots 1..k all hit; real blocks come first
+        per_block = run.sum(1)
+        if self.prefix_weight > 0:
+            # verification reaches slot k only if slots 1..k-1 were accepted: past a miss, a slot's loss buys no tau
+            # for this block (the exp-decay slot weights price that in on average, this per block)
+            reached = torch.cat([torch.ones_like(run[:, :2]), run[:, :-1]], 1).flatten()  # [n * B], slots 0 and 1: 1
+            losses = losses * (1.0 - self.prefix_weight * (1.0 - reached[mb.loss_rows]))
         if self.walk_weight > 0:
             # the blocks verification would visit on this text weigh 1 + walk_weight: the engine's tau is the mean
             # acceptance over exactly those (train/walk.py), which start right after a draft the drafter got wrong
