@@ -90,7 +90,7 @@ class TrainingForward:
         if self.prefix_weight > 0:
             # verification reaches slot k only if slots 1..k-1 were accepted: past a miss, a slot's loss buys no tau
             # for this block (the exp-decay slot weights price that in on average, this per block)
-            reached = torch.cat([torch.ones_like(run[:, :2]), run[:, :-1]], 1).flatten()  # [n * B], slots 0 and 1: 1
+            reached = torch.cat([run.new_ones(n, 2), run[:, :-1]], 1).flatten()  # [n * B], slots 0 and 1: 1
             losses = losses * (1.0 - self.prefix_weight * (1.0 - reached[mb.loss_rows]))
         if self.walk_weight > 0:
             # the blocks verification would visit on this text weigh 1 + walk_weight: the engine's tau is the mean
