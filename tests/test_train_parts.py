@@ -287,9 +287,9 @@ def test_walk_weight_adds_the_visited_blocks_losses_once_more(target):
     assert float(r1.loss_sum) == pytest.approx(float(r0.loss_sum) + extra, rel=1e-5)
 
 
-@pytest.mark.parametrize("p", [0.5, 1.0])
-def test_prefix_weight_scales_the_slots_past_a_miss(target, p):
-    lm, B = target, 4
+@pytest.mark.parametrize("p, B", [(0.5, 4), (1.0, 4), (1.0, 2)])
+def test_prefix_weight_scales_the_slots_past_a_miss(target, p, B):
+    lm = target
     draft, _, cap, mb = _small_batch(lm, 100, B)
     plain = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
     scaled = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, prefix_weight=p)
@@ -303,5 +303,7 @@ def test_prefix_weight_scales_the_slots_past_a_miss(target, p):
         reached = all(hit.get(start + j, False) for j in range(1, row % B))
         past_miss += not reached
         want += loss * (1.0 if reached else 1.0 - p)
-    assert past_miss >= 3 and torch.equal(r0.block_accepted, r1.block_accepted)
-    assert float(r1.loss_sum) == pytest.approx(want, rel=1e-5) and float(r1.loss_sum) < float(r0.loss_sum)
+    assert torch.equal(r0.block_accepted, r1.block_accepted)
+    assert float(r1.loss_sum) == pytest.approx(want, rel=1e-5)
+    if B > 2:  # with one drafted slot per block nothing lies past a miss
+        assert past_miss >= 3 and float(r1.loss_sum) < float(r0.loss_sum)
