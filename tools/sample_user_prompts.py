@@ -4,8 +4,8 @@ instruction-tuned model), then `blockspec draft-data` has it answer them as usua
 
 Why: the drafter accepts far more on held-out text like its training prompts than on the evaluation sets (walk tau
 by prompt source, docs/training.md), and ShareGPT, the only real chat source here, is used up. An instruct model's
-own user turns follow the mix of requests its instruction tuning saw (writing, role play, coding, math, advice, ...),
-the kind of prompt MT-Bench and HumanEval ask. Requests that run into --max-tokens (no end of turn), very short ones,
+own user turns follow what its instruction tuning taught it users ask (writing, role play, coding, math, advice,
+...), the kind of prompt MT-Bench and HumanEval ask. Requests that run into --max-tokens (no end of turn), very short ones,
 evaluation prompts and duplicates are dropped. --user-start TEXT makes every request begin with TEXT (e.g. "Write a
 Python function that") and samples the rest. Usage (GPU for tens of thousands):
   python tools/sample_user_prompts.py out.jsonl [--target SRC] [--num N] [--temperature T] [--top-p P]
@@ -68,6 +68,8 @@ def main() -> None:
     p.add_argument("--user-start", default="", metavar="TEXT", help="every request begins with TEXT")
     p.add_argument("--device", default=None)
     args = p.parse_args()
+    if args.num < 1 or args.max_tokens < 1:
+        p.error(f"--num ({args.num}) and --max-tokens ({args.max_tokens}) must be >= 1")
 
     from blockspec.data.exclusion import write_training_prompts
     from blockspec.loading.loader import load_model
