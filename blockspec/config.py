@@ -127,9 +127,9 @@ class EngineConfig:
     min_admit: int = 1
     # A step with both decoding and prefilling requests: True runs the decoding ones through the decode step (its
     # CUDA graph, which also drafts their next blocks) and only the rest through the varlen path; False runs every
-    # row on the varlen path, then an eager draft pass. Same outputs either way (tested on CPU). Off until measured
-    # on the GPU, where it should pay (one eager pass per mixed step instead of two over the whole batch); on CPU
-    # every forward reads all the weights, so one combined pass stays cheaper there.
+    # row on the varlen path, then an eager draft pass. Same outputs either way (tested on CPU). On the GPU it paid
+    # 1.09x at draft-data's shape (docs/perf.md), which turns it on; serving leaves it off until measured at small
+    # batches. On CPU every forward reads all the weights, so one combined pass stays cheaper there.
     split_mixed_steps: bool = False
     draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}
     attention_backend: str = "auto"  # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA

@@ -218,9 +218,9 @@ def test_build_dataset_with_a_drafter_writes_the_same_data(target, tmp_path):
     kw = dict(max_tokens=10, max_num_seqs=3, use_tqdm=False)
     build_dataset(target, TRAIN, tmp_path / "plain", **kw)
     build_dataset(target, TRAIN, tmp_path / "spec", draft=draft, **kw)
-    build_dataset(target, TRAIN, tmp_path / "unsplit", draft=draft, split_mixed_steps=False, **kw)
+    build_dataset(target, TRAIN, tmp_path / "split", draft=draft, split_mixed_steps=True, **kw)
     plain = read_shards(tmp_path / "plain")
-    for other in ("spec", "unsplit"):
+    for other in ("spec", "split"):
         got = read_shards(tmp_path / other)
         assert len(plain) == len(got) == len(TRAIN)
         assert all(a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()

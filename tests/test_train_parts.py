@@ -285,6 +285,7 @@ def test_walk_weight_adds_the_visited_blocks_losses_once_more(target):
     extra = sum(float(losses[(mb.loss_rows // B) == j].sum()) for j in visited)
     assert len(visited) >= 3 and extra > 0
     assert float(r1.loss_sum) == pytest.approx(float(r0.loss_sum) + extra, rel=1e-5)
+    assert float(r1.plain_loss_sum) == pytest.approx(float(r0.loss_sum), rel=1e-6)  # what the log shows
 
 
 @pytest.mark.parametrize("p, B", [(0.5, 4), (1.0, 4), (1.0, 2)])
@@ -305,5 +306,6 @@ def test_prefix_weight_scales_the_slots_past_a_miss(target, p, B):
         want += loss * (1.0 if reached else 1.0 - p)
     assert torch.equal(r0.block_accepted, r1.block_accepted)
     assert float(r1.loss_sum) == pytest.approx(want, rel=1e-5)
+    assert float(r1.plain_loss_sum) == pytest.approx(float(r0.loss_sum), rel=1e-6)
     if B > 2:  # with one drafted slot per block nothing lies past a miss
         assert past_miss >= 3 and float(r1.loss_sum) < float(r0.loss_sum)

@@ -36,3 +36,15 @@ def test_sampled_requests_end_their_turn_and_are_seeded(target, monkeypatch):  #
     assert 0 < ended < 64 and len(texts) == ended  # a random model ends some turns within 24 tokens, not all
     assert texts == again and texts != other
     assert all(t.startswith("tell me ") and "</s>" not in t for t in texts)
+
+
+def test_the_length_floor_counts_only_the_sampled_part(target, monkeypatch):  # noqa: F811
+    tool = _tool()
+    monkeypatch.setattr(tool, "MIN_CHARS", 1)
+    every, _ = tool.sample_user_prompts(target, num=64, max_tokens=24, seed=3, user_start="tell me")
+    own = [len(t[len("tell me"):].strip()) for t in every]
+    assert len(set(own)) > 1
+    floor = sorted(set(own))[-2] + 1  # counting the start's characters would keep the second longest too
+    monkeypatch.setattr(tool, "MIN_CHARS", floor)
+    kept, _ = tool.sample_user_prompts(target, num=64, max_tokens=24, seed=3, user_start="tell me")
+    assert kept == [t for t, n in zip(every, own) if n >= floor] and len(kept) < len(every)

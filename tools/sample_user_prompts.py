@@ -32,7 +32,9 @@ def user_turn_prefix(tokenizer, user_start: str = "") -> list[int]:
 
 def sample_user_prompts(lm, num: int, *, temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 256,
                         seed: int = 0, batch: int | None = None, user_start: str = "") -> tuple[list[str], int]:
-    """(the requests that ended their turn and have >= MIN_CHARS characters, in sampling order; how many ended)."""
+    """(the requests that ended their turn with >= MIN_CHARS characters of their own after user_start, in sampling
+    order; how many ended). A turn ends at one of the model's stop tokens, as it does in chat templates whose user
+    turns close with the end-of-turn token the model also emits (ChatML, Llama 3, Gemma)."""
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
 
@@ -50,8 +52,8 @@ def sample_user_prompts(lm, num: int, *, temperature: float = 1.0, top_p: float 
               for i in range(num)]
     outs = llm.generate([prefix] * num, params, use_tqdm=num > 64)
     ended = [o for o in outs if o.finish_reason == "stop"]
-    texts = [lm.tokenizer.decode(start_ids + o.token_ids).strip() for o in ended]
-    return [t for t in texts if len(t) >= MIN_CHARS], len(ended)
+    long_enough = [o for o in ended if len(lm.tokenizer.decode(o.token_ids).strip()) >= MIN_CHARS]
+    return [lm.tokenizer.decode(start_ids + o.token_ids).strip() for o in long_enough], len(ended)
 
 
 def main() -> None:

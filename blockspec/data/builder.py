@@ -43,7 +43,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
                   max_num_seqs: int | None = None, kv_cache_tokens: int | None = None,
                   exclude_eval: bool = True, dedupe: bool = True, meta: dict[str, Any] | None = None,
                   use_tqdm: bool = True, draft: LoadedDraft | None = None,
-                  split_mixed_steps: bool = True) -> Manifest:
+                  split_mixed_steps: bool | None = None) -> Manifest:
     """Write a training-data directory for a DFlash drafter of `lm` and return its manifest.
 
     prompts: user messages (one per conversation). Evaluation prompts (blockspec.data.eval_prompts) and, with
@@ -54,8 +54,8 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     prompt + response, with loss_mask 1 exactly on the response tokens (including a generated stop token).
     `meta` is stored in the manifest next to the counts and generation settings. `draft`: generate with speculative
     decoding (an earlier drafter of the same target): lossless, so only the generation time changes; greedy only,
-    where the outputs are the target's own argmax tokens either way. split_mixed_steps: EngineConfig's, on by default
-    here (same data; 1.09x at draft-data's shape on the H200, docs/perf.md)."""
+    where the outputs are the target's own argmax tokens either way. split_mixed_steps: EngineConfig's; None: on for
+    CUDA (same data; 1.09x at draft-data's shape on the H200, docs/perf.md), off on the CPU."""
     from blockspec.llm import LLM
 
     filtered = filter_prompts(list(prompts), exclude_eval=exclude_eval, dedupe=dedupe)
@@ -77,7 +77,7 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     # admissions in groups of 1/16 of the batch: most steps stay on the decode step's CUDA graph (EngineConfig)
     llm = LLM.from_loaded(lm, draft, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
                           max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs), min_admit=max(1, seqs // 16),
-                          split_mixed_steps=split_mixed_steps)
+                          split_mixed_steps=on_gpu if split_mixed_steps is None else split_mixed_steps)
     # Written in chunks, each as soon as all its requests are done (OUT/parts/part-N): a run stopped by a time limit
     # keeps its finished chunks, and the same command continues after them.
     chunk = CHUNK_BATCHES * seqs

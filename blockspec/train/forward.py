@@ -22,7 +22,8 @@ from blockspec.train.walk import visited_blocks
 
 @dataclass
 class ForwardResult:
-    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (x the walk factor; differentiable)
+    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (x the walk / prefix factors; differentiable)
+    plain_loss_sum: torch.Tensor  # scalar, detached: the same without those factors (logged: comparable across them)
     hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
     slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row
     accepted: torch.Tensor  # scalar: sum over blocks of the leading run of hits (what verification would accept)
@@ -80,6 +81,7 @@ class TrainingForward:
         # distillation: the target's own distribution over each label (train/loss.py, soft_ce_chunk)
         target_h = target_hidden[mb.label_src[mb.loss_rows]] if self.loss.distill > 0 else None
         losses, hits = self.loss(hidden, mb.loss_rows, mb.labels, mb.weights, target_h)
+        plain = losses.detach().sum()
         B, n = self.cap.block_size, mb.num_blocks
         # hits laid back out as [blocks, B] (unscored rows count as misses, so a block stops at the response end):
         # the training-side acceptance length, comparable with the engine's tau on similar prompts
@@ -97,4 +99,4 @@ class TrainingForward:
             # acceptance over exactly those (train/walk.py), which start right after a draft the drafter got wrong
             visited = visited_blocks(mb, per_block.long(), B, self.cap.tokens)
             losses = losses * (1.0 + self.walk_weight * visited[mb.loss_rows // B].float())
-        return ForwardResult(losses.sum(), hits, mb.loss_rows % B, per_block.sum(), per_block)
+        return ForwardResult(losses.sum(), plain, hits, mb.loss_rows % B, per_block.sum(), per_block)

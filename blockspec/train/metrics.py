@@ -26,7 +26,7 @@ class Window:
         self.tokens, self.blocks, self.t0 = 0, 0, time.perf_counter()
 
     def add(self, r: ForwardResult, mb: MicroBatch) -> None:
-        self.loss += r.loss_sum.detach()
+        self.loss += r.plain_loss_sum
         self.hits.index_add_(0, r.slots, r.hits.float())
         self.count.index_add_(0, r.slots, torch.ones_like(r.slots, dtype=torch.float32))
         self.accepted += r.accepted

@@ -135,7 +135,7 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         for mb in mbs:
             r = fwd(mb)
             (r.loss_sum / total_w).backward()
-            step_loss += r.loss_sum.detach()
+            step_loss += r.plain_loss_sum
             window.add(r, mb)
             progress.tokens += mb.num_tokens
             progress.blocks += mb.num_blocks
