@@ -3,24 +3,17 @@ and prompts used before never do."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tool_utils import load_tool
+
 FUNC = '''def {name}(x):
     """Return x doubled."""
     y = x * 2
     return y
 '''
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("prepare_code_stubs", ROOT / "tools" / "prepare_code_stubs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _tree(root: Path) -> None:
@@ -32,7 +25,7 @@ def _tree(root: Path) -> None:
 
 def test_stubs_skip_eval_packages_and_tests(tmp_path):
     _tree(tmp_path)
-    stubs = _tool().stubs(tmp_path)
+    stubs = load_tool("prepare_code_stubs").stubs(tmp_path)
     assert len(stubs) == 2
     assert all(s.startswith("Write a solution to the following problem and make sure that it passes the tests:\n```python\n")
                for s in stubs)
@@ -42,7 +35,7 @@ def test_stubs_skip_eval_packages_and_tests(tmp_path):
 
 def test_main_excludes_prompts_used_before(tmp_path, monkeypatch, capsys):
     _tree(tmp_path / "src")
-    tool = _tool()
+    tool = load_tool("prepare_code_stubs")
     used = tmp_path / "used.jsonl"
     first = [s for s in tool.stubs(tmp_path / "src") if "kept_one" in s]
     used.write_text(json.dumps({"prompt": first[0]}) + "\n")

@@ -3,10 +3,7 @@ markup reduced to its text) and common dictionary words."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tool_utils import load_tool
 
 RST = """Title
 =====
@@ -27,17 +24,10 @@ Example::
 """
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("prepare_prose_prompts", ROOT / "tools" / "prepare_prose_prompts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_doc_paragraphs_keep_prose_only(tmp_path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "email.rst.txt").write_text(RST)
-    paras = _tool().doc_paragraphs(tmp_path, min_chars=100)
+    paras = load_tool("prepare_prose_prompts").doc_paragraphs(tmp_path, min_chars=100)
     assert paras == ["The Policy object controls how a message is parsed and generated, and an application usually "
                      "only specifies it once, when the parse call creates the message (see the home page for more)."]
 
@@ -46,4 +36,4 @@ def test_common_words_are_single_vocab_tokens(tmp_path):
     index = tmp_path / "gcide.index"
     index.write_text("00-database-info\tA\tB\nApple\tC\tD\nzyzzyva\tE\tF\nice cream\tG\tH\ncat\tI\tJ\nrun\tK\tL\n")
     vocab = {"\u0120apple", "\u0120ice", "\u0120cat", "zyzzyva", "\u0120run"}
-    assert _tool().common_words(index, vocab, min_len=3) == ["apple", "cat", "run"]
+    assert load_tool("prepare_prose_prompts").common_words(index, vocab, min_len=3) == ["apple", "cat", "run"]

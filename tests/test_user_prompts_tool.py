@@ -3,23 +3,12 @@ that end their turn are kept, seeded per request, with --user-start in front."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from test_data_builder import target  # noqa: F401  (the tiny chat-templated target fixture)
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("sample_user_prompts", ROOT / "tools" / "sample_user_prompts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tool_utils import load_tool
 
 
 def test_prefix_is_the_template_up_to_the_user_text(target):  # noqa: F811
-    tool, tok = _tool(), target.tokenizer
+    tool, tok = load_tool("sample_user_prompts"), target.tokenizer
     assert tool.user_turn_prefix(tok) == tok.encode("<s> user")[-2:] == [1, tok.hf.convert_tokens_to_ids("user")]
     full = tok.apply_chat_template([{"role": "user", "content": "how do i bake bread"}], add_generation_prompt=False)
     assert full[: len(tool.user_turn_prefix(tok, "how do"))] == tool.user_turn_prefix(tok, "how do")
@@ -27,7 +16,7 @@ def test_prefix_is_the_template_up_to_the_user_text(target):  # noqa: F811
 
 
 def test_sampled_requests_end_their_turn_and_are_seeded(target, monkeypatch):  # noqa: F811
-    tool = _tool()
+    tool = load_tool("sample_user_prompts")
     monkeypatch.setattr(tool, "MIN_CHARS", 1)
     kw = dict(num=64, max_tokens=24, seed=3, user_start="tell me")
     texts, ended = tool.sample_user_prompts(target, **kw)
@@ -39,7 +28,7 @@ def test_sampled_requests_end_their_turn_and_are_seeded(target, monkeypatch):  #
 
 
 def test_the_length_floor_counts_only_the_sampled_part(target, monkeypatch):  # noqa: F811
-    tool = _tool()
+    tool = load_tool("sample_user_prompts")
     monkeypatch.setattr(tool, "MIN_CHARS", 1)
     every, _ = tool.sample_user_prompts(target, num=64, max_tokens=24, seed=3, user_start="tell me")
     own = [len(t[len("tell me"):].strip()) for t in every]

@@ -43,6 +43,7 @@ class DraftSetup:
 
 clock = time.monotonic  # the wall clock of --time-limit (a module attribute, so tests can drive it)
 
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
