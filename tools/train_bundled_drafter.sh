@@ -39,8 +39,9 @@ shape=(--draft-layers "${LAYERS:-3}" --block-size 16)
 resume=""
 [ -f "$WORK/run/checkpoint.pt" ] && resume="--resume"
 $BLOCKSPEC train-draft --target "$GGUF" --data "${data[@]}" --out "$WORK/run" "${shape[@]}" --epochs "${EPOCHS:-6}" \
-  --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" ${COMPILE:+--compile-draft} ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${DISTILL:+--distill-weight "$DISTILL"} \
-  ${WALK:+--walk-weight "$WALK"} --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
+  --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" ${COMPILE:+--compile-draft} \
+  ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${DISTILL:+--distill-weight "$DISTILL"} ${WALK:+--walk-weight "$WALK"} \
+  --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
   --eval-every 1000 --val-fraction 0.02 $resume
 cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
 if grep -q '"stopped_by_time_limit": true' "$WORK/run/train_report.json"; then

@@ -46,8 +46,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-seq-len", type=int, default=3072, help="longer sequences are cut")
     t.add_argument("--loss-gamma", type=float, default=None, help="slot weight decay (default 7/5/4 for B 16/10/8)")
     t.add_argument("--walk-weight", type=float, default=0.0, help="extra loss weight of the blocks the verification "
-                   "walk visits (where the engine's blocks start, right after a wrong draft); 0: off (the bundled drafter's last "
-                   "stages used 2, then 4)")
+                   "walk visits (where the engine's blocks start, right after a wrong draft); 0: off (the bundled "
+                   "drafter's last stages used 2, then 4)")
     t.add_argument("--distill-weight", type=float, default=0.0, metavar="W", help="mix the target's own "
                    "next-token distribution into the labels: (1 - W) onehot + W p_target (0: hard labels, the paper's "
                    "loss; experimental)")
