@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from blockspec.cli import main
+from hf_utils import make_hf_model, save_hf_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,11 +19,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """A tiny random HF llama (config.json + model.safetensors, no tokenizer), built once for the module."""
-    try:
-        from tests.hf_utils import make_hf_model, save_hf_model
-    except ImportError:
-        from hf_utils import make_hf_model, save_hf_model
-
     return save_hf_model(make_hf_model("llama", seed=0), tmp_path_factory.mktemp("tiny_llama"))
 
 
