@@ -66,6 +66,9 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
                         "the target still verifies every draft in its own dtype, so outputs do not change")
     p.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                    help="argmax drafts over token ids < N only (a smaller draft head; outputs do not change)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU: the target's GEMMs and attention computed the same way whatever the batch, so greedy "
+                        "speculative output equals plain decoding token for token in bf16 too (slower GEMMs)")
 
 
 # the drafter flags a command may register, with their defaults (SpeculativeConfig fields of the same names)
@@ -103,7 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from blockspec.distributed.cli import generate_tp
 
         return generate_tp(args, params)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
+                    batch_invariant=args.batch_invariant)
     session, draft = None, None
     if spec is not None:
         from blockspec.loading.draft_loader import load_draft
@@ -229,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = bench_tp(args)
     else:
         lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False,
-                        cpu_packed=args.cpu_packed)
+                        cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant)
         draft = None
         if spec is not None:
             from blockspec.loading.draft_loader import load_draft
@@ -240,7 +244,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        enforce_eager=args.enforce_eager)
     report["config"] = {k: getattr(args, k) for k in ("model", "draft", "num_prompts", "prompt_len", "max_tokens",
                                                       "max_batch_size", "num_draft_tokens", "full_block_drafting",
-                                                      "cpu_packed", "cpu_bf16_draft", "draft_vocab_size")}
+                                                      "cpu_packed", "cpu_bf16_draft", "draft_vocab_size",
+                                                      "batch_invariant")}
     if args.json:
         print(json.dumps(report))
     else:

@@ -16,9 +16,10 @@ from blockspec.sampling import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, speculative_config: SpeculativeConfig | dict | None = None,
                  device: str | None = None, dtype: str | None = None, cpu_packed: bool = False,
-                 **engine_config) -> None:
+                 batch_invariant: bool = False, **engine_config) -> None:
         """cpu_packed: on the CPU, the target's linears packed once for oneDNN (faster steps, same dtype; see
-        layers/cpu_packed.py)."""
+        layers/cpu_packed.py). batch_invariant: on the GPU, the target computed the same way whatever the batch
+        (layers/invariant_linear.py): greedy speculative output equals plain decoding in bf16 too."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(**engine_config)
@@ -27,6 +28,9 @@ class LLM:
             if cpu_packed:
                 raise ConfigError("cpu_packed=True is not supported with tensor_parallel_size > 1 (packed linears "
                                   "cannot be sharded)")
+            if batch_invariant:
+                raise ConfigError("batch_invariant=True is not supported with tensor_parallel_size > 1 (the sharded "
+                                  "linears and all-reduces are not batch-invariant)")
             if speculative_config is not None and speculative_config.cpu_bf16_draft:
                 raise ConfigError("cpu_bf16_draft=True is not supported with tensor_parallel_size > 1 (the packed "
                                   "bf16 drafter cannot be sharded)")
@@ -37,7 +41,7 @@ class LLM:
             self.lm, self.engine = self.tp.lm, self.tp.engine
             self.tokenizer = self.lm.tokenizer
             return
-        self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed)
+        self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed, batch_invariant=batch_invariant)
         self.tokenizer = self.lm.tokenizer
         draft = None
         if speculative_config is not None:

@@ -18,6 +18,8 @@ StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 
 class TritonTargetAttention:
+    batch_invariant = False  # the deterministic kernel mode (triton_paged.paged_attention(batch_invariant=True))
+
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
         from blockspec.attention import triton_paged
 
@@ -34,7 +36,12 @@ class TritonTargetAttention:
         if k is not None and v is not None:  # None: the prologue already wrote them (kv_destination)
             self.ops.store_kv(k, v, kc, vc, b.slot_mapping)
         return self.ops.paged_attention(q, kc, vc, b.positions, b.query_start, b.kv_lens, b.block_tables,
-                                        self.pool.block_size, scale, b.max_q_len, causal=True, max_kv_len=b.max_kv_len)
+                                        self.pool.block_size, scale, b.max_q_len, causal=True, max_kv_len=b.max_kv_len,
+                                        batch_invariant=self.batch_invariant)
+
+
+class InvariantTargetAttention(TritonTargetAttention):
+    batch_invariant = True
 
 
 class TritonDraftAttention(TritonTargetAttention):
@@ -68,11 +75,19 @@ BACKENDS: dict[str, AttentionBackend] = {
     "torch": AttentionBackend(PagedTargetAttention, PagedDraftAttention, paged_ref.store, capturable=False),
     "triton": AttentionBackend(TritonTargetAttention, TritonDraftAttention, _triton_store, capturable=True),
 }
+# The target's attention in the deterministic mode, for batch-invariant targets (load_model(batch_invariant=True));
+# the drafter's attention need not be: drafts only change which tokens are proposed, never which are output.
+INVARIANT = AttentionBackend(InvariantTargetAttention, TritonDraftAttention, _triton_store, capturable=True)
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend={name!r}: expected one of auto, {', '.join(BACKENDS)}")
+    if batch_invariant:
+        if name != "triton":
+            raise ConfigError(f"a batch-invariant target needs attention_backend='triton' (or 'auto' on CUDA), "
+                              f"got {name!r}")
+        return INVARIANT
     return BACKENDS[name]

@@ -151,7 +151,11 @@ def paged_attention(
     k_new: torch.Tensor | None = None,  # [T, Hkv, D] the draft block's own keys (not in the cache)
     v_new: torch.Tensor | None = None,
     max_kv_len: int | None = None,  # host bound on kv_lens; None: pages in the block table
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
+    """batch_invariant: one tile shape and no split-K whatever the batch, so each query row folds the same key tiles
+    (fixed boundaries from position 0) in the same order as it would alone; masked keys add exact zeros. A row's
+    output then does not depend on the rows batched with it nor on how many query rows its request has."""
     T, HQ, D = q.shape
     HKV = k_cache.shape[1]
     B = kv_lens.shape[0]
@@ -159,11 +163,11 @@ def paged_attention(
         return torch.empty_like(q)
     G = HQ // HKV
     rows = max_q_len * G
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_m = 16 if rows <= 16 or batch_invariant else 32 if rows <= 32 else 64
     block_n = 64 if D <= 64 else 32
     m_blocks = triton.cdiv(rows, block_m)
     bound = max_kv_len if max_kv_len is not None else block_tables.shape[1] * page_size
-    splits = _num_splits(B, HKV * m_blocks, bound, block_n)
+    splits = 1 if batch_invariant else _num_splits(B, HKV * m_blocks, bound, block_n)
     acc = torch.empty(splits, T, HQ, D, dtype=torch.float32, device=q.device)
     m = torch.empty(splits, T, HQ, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)

@@ -48,7 +48,7 @@ class ModelRunner:
                  attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 32) -> None:
         self.lm, self.draft, self.pool = lm, draft, pool
         self.device = next(lm.model.parameters()).device
-        self.backend = get_backend(attention_backend, self.device)
+        self.backend = get_backend(attention_backend, self.device, lm.batch_invariant)
         self.taps = draft.spec.target_layer_ids if draft is not None else []
         if draft is not None and kernels.fused_device(self.device):
             draft.model.fuse_qkv()  # one GEMM + one Triton prologue per draft layer (idempotent)

@@ -43,6 +43,7 @@ def _differing(rows: list[dict] | None) -> str:
 
 def _draft_options(r: dict) -> str:
     opts = (["packed CPU target"] if r.get("cpu_packed") else []) + (
+        ["batch-invariant target"] if r.get("batch_invariant") else []) + (
         ["bf16 CPU drafter"] if r.get("cpu_bf16_draft") else []) + (
         [f"draft vocab {r['draft_vocab_size']}"] if r.get("draft_vocab_size") is not None else [])
     return f" ({', '.join(opts)})" if opts else ""
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     draft_src = args.draft or str(bundled_draft_path())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     texts = load_eval_prompts(args.dataset, args.limit)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
+                    batch_invariant=args.batch_invariant)
     draft = load_draft(SpeculativeConfig(draft_model=draft_src, num_draft_tokens=args.num_draft_tokens,
                                          full_block_drafting=args.full_block_drafting,
                                          cpu_bf16_draft=args.cpu_bf16_draft,
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     result = {**asdict(report), "model": lm.source.name, "draft": draft_src, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
               "full_block_drafting": args.full_block_drafting, "cpu_bf16_draft": args.cpu_bf16_draft,
-              "cpu_packed": args.cpu_packed,
+              "cpu_packed": args.cpu_packed, "batch_invariant": args.batch_invariant,
               "draft_vocab_size": args.draft_vocab_size,
               "max_batch_size": batch, "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}

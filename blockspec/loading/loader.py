@@ -9,6 +9,7 @@ from torch import nn
 
 from blockspec.errors import BlockspecError
 from blockspec.layers import cpu_packed as packed_linears
+from blockspec.layers import kernels
 from blockspec.loading.source import ModelSource, resolve_source
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.loading.weights import load_weights
@@ -24,6 +25,7 @@ class LoadedModel:
     stop_token_ids: list[int]  # from generation_config, config and tokenizer
     source: ModelSource
     cpu_packed: bool = False  # the linears are packed for oneDNN (load_model(cpu_packed=True)); the drafter follows
+    batch_invariant: bool = False  # GEMMs and attention computed per row independently of the batch (GPU)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -79,13 +81,23 @@ def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
 
 
 def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True,
-               cpu_packed: bool = False) -> LoadedModel:
+               cpu_packed: bool = False, batch_invariant: bool = False) -> LoadedModel:
     """cpu_packed: inference on the CPU with every linear packed once for oneDNN (layers/cpu_packed.py; faster plain
-    and verify steps, same dtype). The model can then no longer be trained or moved to another device."""
+    and verify steps, same dtype). The model can then no longer be trained or moved to another device.
+    batch_invariant: every linear behind the batch-invariant GEMM (layers/invariant_linear.py) and the engine's target
+    attention in its deterministic mode, so greedy speculative output equals plain decoding bit for bit in any dtype
+    (GPU; on CPU only under the Triton interpreter, for tests)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if cpu_packed:
         _check_cpu_packed(dev, dt)
+    if batch_invariant:
+        if cpu_packed:
+            raise BlockspecError("batch_invariant=True (--batch-invariant) and cpu_packed=True (--cpu-packed) exclude "
+                                 "each other")
+        if not kernels.fused_device(dev):
+            raise BlockspecError(f"batch_invariant=True (--batch-invariant) runs Triton kernels and needs a CUDA "
+                                 f"device, got {dev.type!r} (fp32 on CPU is the exactness reference instead)")
     source = resolve_source(src)
     cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
     cfg = ModelConfig.from_hf(source.config, source=str(cfg_name))
@@ -94,5 +106,10 @@ def load_model(src: str | None, device: str | None = None, dtype: str | None = N
     model.eval()
     if cpu_packed:
         packed_linears.pack_target(model)
+    if batch_invariant:
+        from blockspec.layers.invariant_linear import make_batch_invariant  # imports triton
+
+        make_batch_invariant(model)
     tok = source.load_tokenizer() if with_tokenizer else None
-    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, cpu_packed)
+    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, cpu_packed,
+                       batch_invariant)

@@ -60,7 +60,7 @@ def build_llm(args: argparse.Namespace):
     if args.draft_len_schedule is not None:
         engine["draft_len_schedule"] = parse_schedule(args.draft_len_schedule)
     return LLM(model_source(args), speculative_config=spec, device=args.device, dtype=args.dtype,
-               cpu_packed=args.cpu_packed, **engine)
+               cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant, **engine)
 
 
 def parse_schedule(text: str) -> dict[int, int]:
