@@ -28,6 +28,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="drafts verified per step with --draft (default: the drafter's block size - 1)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU: with --draft, responses equal plain decoding's token for token in bf16 too "
+                        "(docs/ARCHITECTURE.md, batch invariance)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         if f.note:
             print(f"  note: {f.note}", file=sys.stderr)
     prompts = found.prompts[: args.limit]
-    lm = load_model(args.target, device=args.device, dtype=args.dtype)
+    lm = load_model(args.target, device=args.device, dtype=args.dtype, batch_invariant=args.batch_invariant)
     draft = None
     if args.draft is not None:
         from blockspec.config import SpeculativeConfig
