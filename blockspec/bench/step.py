@@ -5,7 +5,8 @@ drafts), on a Qwen3-8B-shaped bf16 target with random weights and a 5-layer bloc
   - HF transformers `generate` on identical weights (batch 1);
 plus a per-part breakdown (GEMMs / attention / other kernels / gaps), end-to-end tokens/s through LLMEngine with a
 forced acceptance length (benchmark-only), and a bf16 greedy comparison with HF (first divergences and their
-top-2 logit gaps). Usage: python -m blockspec.bench.step --out docs/perf/step_bench.json"""
+top-2 logit gaps). Usage: python -m blockspec.bench.step --out docs/perf/step_bench.json
+(--batch-invariant: only the step table, as usual and then with the target batch-invariant, for that mode's cost)"""
 
 from __future__ import annotations
 
@@ -159,6 +160,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--K", type=int, default=15)
     ap.add_argument("--forced-tau", type=float, default=6.5, help="benchmark-only acceptance for end-to-end tok/s")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="only the step table, first as usual, then with the target batch-invariant "
+                         "(layers/invariant_linear.py): what that mode costs, from one run")
     args = ap.parse_args()
     bw = copy_bandwidth()
     lm, draft = make_pair(QWEN3_8B, args.K, 5, TAPS, MASK, torch.device("cuda"), torch.bfloat16)
@@ -166,21 +170,39 @@ def main() -> None:
     d_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
     head = lm.model.lm_head.weight.numel() * lm.model.lm_head.weight.element_size()
     floor_ms, spec_floor_ms = t_bytes / bw * 1e3, (t_bytes + d_bytes + head) / bw * 1e3
-    rows, parts = [], {}
-    for ctx in map(int, args.contexts.split(",")):
-        for B in map(int, args.batches.split(",")):
-            ar, ar_eager, ar_parts = step_ms(lm, None, B, ctx)
-            free_memory()
-            spec, spec_eager, spec_parts = step_ms(lm, draft, B, ctx)
-            free_memory()
-            if ar_parts:
-                parts = {"ar": ar_parts, "spec": spec_parts}
-            r = {"batch": B, "context": ctx, "K": args.K, "ar_step_ms": ar, "spec_step_ms": spec,
-                 "ar_eager_ms": ar_eager, "spec_eager_ms": spec_eager, "spec_over_ar": spec / ar,
-                 "ar_ratio_to_floor": ar / floor_ms, "spec_ratio_to_floor": spec / spec_floor_ms}
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    print(json.dumps(parts, indent=1), flush=True)
+
+    def table(lm: LoadedModel) -> tuple[list[dict], dict]:
+        rows, parts = [], {}
+        for ctx in map(int, args.contexts.split(",")):
+            for B in map(int, args.batches.split(",")):
+                ar, ar_eager, ar_parts = step_ms(lm, None, B, ctx)
+                free_memory()
+                spec, spec_eager, spec_parts = step_ms(lm, draft, B, ctx)
+                free_memory()
+                if ar_parts:
+                    parts = {"ar": ar_parts, "spec": spec_parts}
+                r = {"batch": B, "context": ctx, "K": args.K, "ar_step_ms": ar, "spec_step_ms": spec,
+                     "ar_eager_ms": ar_eager, "spec_eager_ms": spec_eager, "spec_over_ar": spec / ar,
+                     "ar_ratio_to_floor": ar / floor_ms, "spec_ratio_to_floor": spec / spec_floor_ms,
+                     "batch_invariant": lm.batch_invariant}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        print(json.dumps(parts, indent=1), flush=True)
+        return rows, parts
+
+    rows, parts = table(lm)
+    if args.batch_invariant:
+        from dataclasses import replace
+
+        from blockspec.layers.invariant_linear import make_batch_invariant
+
+        make_batch_invariant(lm.model)
+        inv_rows, inv_parts = table(replace(lm, batch_invariant=True))
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "floor_ms_bs1": floor_ms,
+                       "spec_floor_ms_bs1": spec_floor_ms, "table": rows, "table_batch_invariant": inv_rows,
+                       "breakdown_bs1_ctx1k": parts, "breakdown_bs1_ctx1k_batch_invariant": inv_parts}, f, indent=1)
+        return
     free_memory()
     e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 16)]
     e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 16)]
