@@ -16,7 +16,8 @@ from blockspec.attention.backends import get_backend  # noqa: E402
 from blockspec.attention.triton_paged import paged_attention  # noqa: E402
 from blockspec.errors import BlockspecError, ConfigError  # noqa: E402
 from blockspec.layers import kernels  # noqa: E402
-from blockspec.layers.invariant_linear import InvariantLinear, invariant_linear, make_batch_invariant  # noqa: E402
+from blockspec.layers.invariant_linear import (InvariantLinear, Tile, invariant_linear,  # noqa: E402
+                                               make_batch_invariant)
 from blockspec.llm import LLM  # noqa: E402
 from blockspec.loading.loader import load_model  # noqa: E402
 from blockspec.sampling import SamplingParams  # noqa: E402
@@ -28,16 +29,18 @@ DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@pytest.mark.parametrize("tile", ["64,64,64,4,3", "16,32,128,4,4"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm_rows_do_not_depend_on_the_number_of_rows(dtype):
+def test_gemm_rows_do_not_depend_on_the_number_of_rows(dtype, tile):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(150, 200, generator=g).to(DEV, dtype)  # K not a multiple of the tile: masked last K step
     w = torch.randn(90, 200, generator=g).to(DEV, dtype)
     b = torch.randn(90, generator=g).to(DEV, dtype)
-    full = invariant_linear(x, w, b)
+    t = Tile.parse(tile)
+    full = invariant_linear(x, w, b, tile=t)
     for m in (1, 3, 16, 64, 65, 149):
-        assert torch.equal(invariant_linear(x[:m], w, b), full[:m]), m
-    assert torch.equal(invariant_linear(x[70:71], w, b)[0], full[70])  # a row alone, from the middle of a tile
+        assert torch.equal(invariant_linear(x[:m], w, b, tile=t), full[:m]), m
+    assert torch.equal(invariant_linear(x[70:71], w, b, tile=t)[0], full[70])  # a row alone, mid-tile
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     tol = 1e-4 if dtype == torch.float32 else 0.5  # bf16 output rounding at |y| ~ 15
     assert (full.float() - ref).abs().max().item() < tol
@@ -46,17 +49,18 @@ def test_gemm_rows_do_not_depend_on_the_number_of_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_verify_rows_equal_decode_rows(dtype):
-    """Each query of a verify block (batched with other requests, long contexts where the default mode splits the
-    keys) equals the same query decoded alone with only its own prefix cached."""
+    """Each query of a verify block (batched with other requests, long contexts where the keys are split: more splits
+    than the query alone gets, and past the last split's start) equals the same query decoded alone with only its own
+    prefix cached."""
     page, hq, hkv, d = 16, 6, 2, 32
-    q_lens, ctx_lens = [8, 1, 5], [600, 333, 70]
+    q_lens, ctx_lens = [8, 1, 5], [4200, 333, 70]
     q, kc, vc, tables, qs, positions = make_case(5, page, hq, hkv, d, q_lens, ctx_lens)
     q, kc, vc = q.to(DEV, dtype), kc.to(DEV, dtype), vc.to(DEV, dtype)
     kv_lens = torch.tensor([c + n for c, n in zip(ctx_lens, q_lens)])
 
     def attend(rows, lens, tbl, start, max_q):
         return paged_attention(q[rows], kc, vc, positions[rows].to(DEV), start.to(DEV), lens.to(DEV), tbl.to(DEV),
-                               page, d**-0.5, max_q, causal=True, batch_invariant=True)
+                               page, d**-0.5, max_q, causal=True, batch_invariant=True, max_kv_len=int(lens.max()))
 
     batched = attend(slice(None), kv_lens, tables, qs, max(q_lens))
     for i, c in enumerate(ctx_lens):

@@ -68,11 +68,14 @@ def _paged_attn_kernel(
     scale, bt_stride, num_splits, T,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr, CHUNK: tl.constexpr,
+    LAST_SPLIT: tl.constexpr,
 ):
     # Rows are (query token, head of this kv group) pairs: the group's heads share every K/V tile load (GQA).
     # Axis 2 splits each sequence's cached keys into num_splits equal chunks (split-K); partials are merged
     # afterwards. Chunk bounds come from kv_len at run time, so one grid serves every context length (CUDA graphs).
+    # CHUNK > 0 (batch-invariant): split s holds the fixed key positions [s * CHUNK, (s + 1) * CHUNK), the last
+    # split (LAST_SPLIT = MAX_SPLITS - 1) everything beyond, so a key's split never depends on kv_len or on the batch.
     G: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
     kvh = tl.program_id(1) % HKV
@@ -91,9 +94,13 @@ def _paged_attn_kernel(
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         q_pos = tl.load(pos_ptr + tok, mask=row_ok, other=0)
         kv_len = tl.load(kvlen_ptr + b)
-        split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, kv_len)
+        if CHUNK > 0:
+            lo = split * CHUNK
+            hi = tl.where(split == LAST_SPLIT, kv_len, tl.minimum(lo + CHUNK, kv_len))
+        else:
+            split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, kv_len)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -126,13 +133,17 @@ def _paged_attn_kernel(
         tl.store(o_ptr + o_off, acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
+MAX_SPLITS = 16  # every split adds a partial [T, Hq, D] fp32 result to write and merge
+INVARIANT_CHUNK = 256  # keys per split in the batch-invariant mode (4 key tiles)
+
+
 def _num_splits(B: int, programs_per_seq: int, max_kv_len: int, block_n: int) -> int:
-    """About two waves of programs on 132 SMs, without chunks shorter than 4 key tiles at the bound; at most 16
-    splits, because every split adds a partial [T, Hq, D] fp32 result to write and merge."""
+    """About two waves of programs on 132 SMs, without chunks shorter than 4 key tiles at the bound; at most
+    MAX_SPLITS."""
     if max_kv_len <= 4 * block_n:
         return 1
     want = -(-264 // max(1, B * programs_per_seq))
-    return max(1, min(want, max_kv_len // (4 * block_n), 16))
+    return max(1, min(want, max_kv_len // (4 * block_n), MAX_SPLITS))
 
 
 def paged_attention(
@@ -153,9 +164,10 @@ def paged_attention(
     max_kv_len: int | None = None,  # host bound on kv_lens; None: pages in the block table
     batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """batch_invariant: one tile shape and no split-K whatever the batch, so each query row folds the same key tiles
-    (fixed boundaries from position 0) in the same order as it would alone; masked keys add exact zeros. A row's
-    output then does not depend on the rows batched with it nor on how many query rows its request has."""
+    """batch_invariant: one tile shape whatever the batch, and splits over fixed key positions (INVARIANT_CHUNK each)
+    merged one after another in position order, so each query row folds the same key tiles (fixed boundaries from
+    position 0) in the same order as it would alone; masked keys and splits past its position add exact zeros. A
+    row's output then depends neither on the rows batched with it nor on how many query rows its request has."""
     T, HQ, D = q.shape
     HKV = k_cache.shape[1]
     B = kv_lens.shape[0]
@@ -167,7 +179,10 @@ def paged_attention(
     block_n = 64 if D <= 64 else 32
     m_blocks = triton.cdiv(rows, block_m)
     bound = max_kv_len if max_kv_len is not None else block_tables.shape[1] * page_size
-    splits = 1 if batch_invariant else _num_splits(B, HKV * m_blocks, bound, block_n)
+    if batch_invariant:
+        splits = min(MAX_SPLITS, triton.cdiv(bound, INVARIANT_CHUNK))
+    else:
+        splits = _num_splits(B, HKV * m_blocks, bound, block_n)
     acc = torch.empty(splits, T, HQ, D, dtype=torch.float32, device=q.device)
     m = torch.empty(splits, T, HQ, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -178,11 +193,13 @@ def paged_attention(
         HQ=HQ, HKV=HKV, D=D, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, WINDOW=window or 0, HAS_NEW=has_new,
         # fp32 runs are the exactness oracle: no TF32 rounding in their dot products
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", CHUNK=INVARIANT_CHUNK if batch_invariant else 0,
+        LAST_SPLIT=MAX_SPLITS - 1,
     )
     out = torch.empty_like(q)
-    _merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                             BLOCK_D=triton.next_power_of_2(D))
+    merge = _ordered_merge_kernel if batch_invariant else _merge_kernel
+    merge[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                     BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
@@ -203,3 +220,30 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOC
     acc = tl.load(acc_ptr + (s[:, None] * R + row) * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(den == 0, 1.0, den)
     tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """The merge of the batch-invariant mode: splits folded one at a time in position order (an online softmax over
+    the partials), so the empty splits past a row's position, however many the batch has, change nothing (their
+    weight is exp(-inf) = 0 and the running scale exp(0) = 1). A vector reduction over the splits would sum in an
+    order that depends on how many there are."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(SPLITS):
+        m_s = tl.load(m_ptr + s * R + row + tl.zeros([1], tl.int64))
+        l_s = tl.load(l_ptr + s * R + row + tl.zeros([1], tl.int64))
+        a_s = tl.load(acc_ptr + (s * R + row) * D + d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, w = tl.exp(m_run - m_safe), tl.exp(m_s - m_safe)
+        den = den * alpha + w * l_s
+        out = out * alpha + w * a_s
+        m_run = m_new
+    out = out / tl.where(den == 0, 1.0, den)
+    tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)

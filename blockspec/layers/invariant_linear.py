@@ -12,6 +12,9 @@ not specialized on, so one compiled kernel serves every M. Rows beyond M are loa
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -20,8 +23,24 @@ from torch import nn
 
 from blockspec.layers import kernels
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
-NUM_WARPS, NUM_STAGES = 4, 3
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Tile":
+        """"64,64,64,4,3" -> Tile(64, 64, 64, 4, 3)."""
+        return cls(*(int(v) for v in text.split(",")))
+
+
+# One tile for every GEMM of a process: rows computed under different tiles round differently. The variable is a
+# benchmarking knob (python -m blockspec.bench.invariant_gemm compares tiles); outputs depend on it.
+TILE = Tile.parse(os.environ.get("BLOCKSPEC_INVARIANT_TILE", "64,64,64,4,3"))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -45,21 +64,23 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr, PR
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, fp32 accumulation."""
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     tile: Tile | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, fp32 accumulation (tile: TILE)."""
+    t = tile or TILE
     lead, K = x.shape[:-1], x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        grid = (triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n))
         _gemm_kernel[grid](x2, weight.contiguous(), bias if bias is not None else weight, y, M, N, K,
                            HAS_BIAS=bias is not None,
                            # fp32 stays exact (no TF32 rounding), as in the rest of the fp32 oracle path
                            PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
-                           num_stages=NUM_STAGES)
+                           BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
+                           num_stages=t.stages)
     return y.view(*lead, N)
 
 
