@@ -79,9 +79,20 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
         load_model(None, device="cpu", batch_invariant=True, cpu_packed=True)
 
 
-def test_torch_attention_backend_is_refused():
+def test_cli_flag_on_cpu_names_the_flag_and_the_device(capsys, monkeypatch):
+    from errors_utils import run_cli
+
+    monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", False)
+    _, msg = run_cli(capsys, "--device", "cpu", "--prompt-ids", "1,2", "--batch-invariant")
+    assert msg.startswith("batch_invariant=True (--batch-invariant) runs Triton kernels and needs a CUDA device, "
+                          "got 'cpu'"), msg
+
+
+def test_torch_attention_backend_and_tensor_parallel_are_refused():
     with pytest.raises(ConfigError, match="batch-invariant target needs attention_backend='triton'.*got 'torch'"):
         get_backend("torch", torch.device("cpu"), batch_invariant=True)
+    with pytest.raises(ConfigError, match="batch_invariant=True is not supported with tensor_parallel_size > 1"):
+        LLM(None, batch_invariant=True, tensor_parallel_size=2)
 
 
 def test_make_batch_invariant_keeps_parameters_and_ties():
