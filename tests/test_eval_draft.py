@@ -131,6 +131,17 @@ def test_divergences_name_each_differing_prompt():
     assert _differing(rows) == " (2 prompts differ, first at tokens 1, 2)" and _differing([]) == ""
 
 
+def test_rounding_hint_only_for_differing_gpu_runs_without_batch_invariance():
+    from blockspec.evaluation.cli import _rounding_hint
+
+    hint = "\n  (verify rows and plain decode rows round differently here; --batch-invariant makes them equal)"
+    assert _rounding_hint({"outputs_identical": False, "device": "cuda", "batch_invariant": False}) == hint
+    assert _rounding_hint({"outputs_identical": False, "device": "cuda", "batch_invariant": True}) == ""
+    assert _rounding_hint({"outputs_identical": False, "device": "cpu", "batch_invariant": False}) == ""
+    assert _rounding_hint({"outputs_identical": True, "device": "cuda", "batch_invariant": False}) == ""
+    assert _rounding_hint({"outputs_identical": None, "device": "cuda", "batch_invariant": False}) == ""
+
+
 def test_eval_draft_errors(pair_dirs, tmp_path, capsys, monkeypatch):
     target, _ = pair_dirs
     rc, _, err = eval_draft(capsys, "--model", str(target), "--dataset", "mbpp")

@@ -41,6 +41,13 @@ def _differing(rows: list[dict] | None) -> str:
     return f" ({len(rows)} prompts differ, first at tokens {firsts})"
 
 
+def _rounding_hint(r: dict) -> str:
+    """Greedy outputs that differ on the GPU without --batch-invariant: verify and decode rows rounded apart."""
+    if r["outputs_identical"] is False and r.get("device") == "cuda" and not r.get("batch_invariant"):
+        return "\n  (verify rows and plain decode rows round differently here; --batch-invariant makes them equal)"
+    return ""
+
+
 def _draft_options(r: dict) -> str:
     opts = (["packed CPU target"] if r.get("cpu_packed") else []) + (
         ["batch-invariant target"] if r.get("batch_invariant") else []) + (
@@ -65,7 +72,8 @@ def _table(r: dict) -> str:
         f"tau (mean acceptance length): {tau:.2f} over {r['num_verify_steps']} verify steps" if tau is not None
         else "tau: no verify steps",
         f"per-position acceptance: {per_pos}",
-        f"outputs identical to no-spec: {r['outputs_identical']}" + _differing(r.get("differing_outputs")),
+        f"outputs identical to no-spec: {r['outputs_identical']}" + _differing(r.get("differing_outputs"))
+        + _rounding_hint(r),
         f"acceptance plot: {r['png']}   report: {r['report']}",
     ])
 
@@ -107,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
               "full_block_drafting": args.full_block_drafting, "cpu_bf16_draft": args.cpu_bf16_draft,
               "cpu_packed": args.cpu_packed, "batch_invariant": args.batch_invariant,
               "draft_vocab_size": args.draft_vocab_size,
-              "max_batch_size": batch, "png": str(png),
+              "max_batch_size": batch, "device": "cuda" if on_gpu else "cpu", "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}
     Path(result["report"]).write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else _table(result))
