@@ -155,11 +155,13 @@ def test_cli_end_to_end(target, tmp_path, capsys):
     args = ["train-draft", "--target", str(root), "--data", str(data), "--out", str(out), "--draft-layers", "1",
             "--block-size", "4", "--intermediate-size", "32", "--num-anchors", "8", "--batch-anchors", "16",
             "--eval-prompts", str(prompts), "--eval-num-prompts", "2", "--eval-max-tokens", "6", "--device", "cpu",
-            "--walk-weight", "0.5", "--prefix-weight", "0.5", "--epochs", "3", "--max-steps", "3"]
+            "--walk-weight", "0.5", "--prefix-weight", "0.5", "--opening-weight", "1", "--opening-tokens", "4",
+            "--epochs", "3", "--max-steps", "3"]
     assert main(args) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert report["steps"] == 3 and report["planned_steps"] > 3 and len(report["evals"]) == 1
     assert report["config"]["walk_weight"] == 0.5 and report["config"]["prefix_weight"] == 0.5
+    assert report["config"]["opening_weight"] == 1.0 and report["config"]["opening_tokens"] == 4
     assert report["evals"][0]["generated_tokens"] == 12 and report["attention"] == "sdpa"
     assert "trained 3 steps" in capsys.readouterr().err
     draft = load_draft(SpeculativeConfig(draft_model=str(out)), lm)
@@ -218,6 +220,8 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
     (["--lr", "0"], "lr=0.0 must be > 0"),
     (["--walk-weight", "-1"], "walk_weight=-1.0 must be >= 0"),
     (["--prefix-weight", "1.5"], "prefix_weight=1.5 must be in [0, 1]"),
+    (["--opening-weight", "-0.5"], "opening_weight=-0.5 must be >= 0"),
+    (["--opening-tokens", "0"], "opening_tokens=0 must be an integer >= 1"),
     (["--resume"], "checkpoint.pt does not exist"),
     (["--max-seq-len", "4", "--block-size", "8"], "no usable training sequence: each needs two consecutive response "
                                                    "(loss_mask) tokens within --max-seq-len 4"),

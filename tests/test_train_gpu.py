@@ -90,7 +90,7 @@ def test_cuda_training_loop_evaluates_and_exports(tmp_path):
     lm.model.to(CUDA, torch.bfloat16)
     cfg = TrainConfig(num_anchors=8, epochs=2, batch_anchors=32, grad_accum=2, max_seq_len=64, eval_every=3,
                       eval_max_tokens=16, log_every=2, walk_weight=1.0, val_fraction=0.1,
-                      prefix_weight=0.5)  # the walk and the prefix weights on the GPU too
+                      prefix_weight=0.5, opening_weight=1.0)  # the walk, prefix and opening weights on the GPU too
     setup = new_draft(lm, DraftShape(num_layers=2, block_size=8, target_layer_ids=[0, 2], intermediate_size=48,
                                      mask_token_id=MASK), seed=0, device=CUDA)
     data = prepare(random_sequences(30, torch.Generator().manual_seed(7)), cfg, "mem")

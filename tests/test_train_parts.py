@@ -288,6 +288,30 @@ def test_walk_weight_adds_the_visited_blocks_losses_once_more(target):
     assert float(r1.plain_loss_sum) == pytest.approx(float(r0.loss_sum), rel=1e-6)  # what the log shows
 
 
+@pytest.mark.parametrize("W, N", [(1.0, 5), (2.5, 12)])
+def test_opening_weight_scales_the_blocks_anchored_in_a_responses_opening(target, W, N):
+    from blockspec.train.anchors import response_starts
+
+    lm, B = target, 4
+    draft, seqs, cap, mb = _small_batch(lm, 100, B)
+    plain = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False)
+    scaled = TrainingForward(lm.model, draft, [0, 2], cap, "sdpa", compiled=False, opening_weight=W, opening_tokens=N)
+    with torch.no_grad():
+        r0, r1 = plain(mb), scaled(mb)
+        losses, _ = plain.loss(plain.hidden(mb, plain.taps(mb)), mb.loss_rows, mb.labels, mb.weights)
+    # the offset from the host's own definition: the anchor minus the last response start at or before it
+    n_opening, want = 0, 0.0
+    for row, loss in zip(mb.loss_rows.tolist(), losses.tolist()):
+        a, s = int(mb.block_anchor[row]), int(mb.block_seq[row])
+        offset = a - max(p for p in response_starts(seqs[s].loss_mask) if p <= a)
+        assert int(mb.block_offset[row]) == offset and bool(mb.block_start[row]) == (offset == 0)
+        n_opening += offset < N
+        want += loss * (1.0 + W if offset < N else 1.0)
+    assert n_opening >= 3 and n_opening < len(losses)  # both kinds of rows are in the batch
+    assert float(r1.loss_sum) == pytest.approx(want, rel=1e-5)
+    assert float(r1.plain_loss_sum) == pytest.approx(float(r0.loss_sum), rel=1e-6)
+
+
 @pytest.mark.parametrize("p, B", [(0.5, 4), (1.0, 4), (1.0, 2)])
 def test_prefix_weight_scales_the_slots_past_a_miss(target, p, B):
     lm = target

@@ -54,6 +54,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--prefix-weight", type=float, default=0.0, metavar="P", help="scale a slot's loss by 1 - P "
                    "where the drafter missed an earlier slot of its block (verification never reaches it there); 0: "
                    "off, 1: only reachable slots train (experimental)")
+    t.add_argument("--opening-weight", type=float, default=0.0, metavar="W", help="extra loss weight of the blocks "
+                   "anchored in a response's first --opening-tokens tokens, where acceptance is lowest; 0: off "
+                   "(experimental)")
+    t.add_argument("--opening-tokens", type=int, default=64, metavar="N",
+                   help="what --opening-weight counts as a response's opening (default 64)")
     t.add_argument("--compile-draft", action="store_true", help="CUDA: run the draft layers under torch.compile, "
                    "fusing their element-wise work over the block rows (experimental: docs/training.md)")
     t.add_argument("--seed", type=int, default=0)
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, loss_gamma=args.loss_gamma, max_steps=args.max_steps, time_limit_min=args.time_limit,
         save_every=args.save_every, eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens,
         attention=args.attention, val_fraction=args.val_fraction, walk_weight=args.walk_weight,
-        distill_weight=args.distill_weight, prefix_weight=args.prefix_weight, compile_draft=args.compile_draft,
+        distill_weight=args.distill_weight, prefix_weight=args.prefix_weight, opening_weight=args.opening_weight,
+        opening_tokens=args.opening_tokens, compile_draft=args.compile_draft,
     )
     if args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")

@@ -10,7 +10,7 @@ from blockspec.errors import ConfigError
 # Fields that fix the sequence of batches and updates: a checkpoint resumes only under the same values.
 TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_ratio", "grad_clip", "grad_accum",
                      "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction",
-                     "walk_weight", "distill_weight", "prefix_weight")
+                     "walk_weight", "distill_weight", "prefix_weight", "opening_weight", "opening_tokens")
 
 
 @dataclass
@@ -45,11 +45,14 @@ class TrainConfig:
     # a slot's loss x (1 - p) unless the drafter hit every earlier slot of its block, where verification would reach
     # it (train/forward.py); 0: off
     prefix_weight: float = 0.0
+    # extra loss weight of the blocks anchored in a response's first opening_tokens tokens (train/forward.py); 0: off
+    opening_weight: float = 0.0
+    opening_tokens: int = 64
     compile_draft: bool = False  # CUDA: the draft layers under torch.compile (train/compiled_draft.py); experimental
 
     def __post_init__(self) -> None:
         positive = ("num_anchors", "epochs", "grad_accum", "batch_anchors", "max_seq_len", "save_every",
-                    "eval_max_tokens", "log_every")
+                    "eval_max_tokens", "log_every", "opening_tokens")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -74,8 +77,9 @@ class TrainConfig:
             raise ConfigError(f"distill_weight={self.distill_weight!r} must be in [0, 1]")
         if not 0 <= self.prefix_weight <= 1:
             raise ConfigError(f"prefix_weight={self.prefix_weight!r} must be in [0, 1]")
-        if not self.walk_weight >= 0:
-            raise ConfigError(f"walk_weight={self.walk_weight!r} must be >= 0")
+        for name in ("walk_weight", "opening_weight"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"val_fraction={self.val_fraction!r} must be in [0, 1)")
         if self.attention not in ("auto", "flex", "sdpa"):

@@ -22,7 +22,7 @@ from blockspec.train.walk import visited_blocks
 
 @dataclass
 class ForwardResult:
-    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE (x the walk / prefix factors; differentiable)
+    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE x the walk / prefix / opening factors (differentiable)
     plain_loss_sum: torch.Tensor  # scalar, detached: the same without those factors (logged: comparable across them)
     hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
     slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row
@@ -37,9 +37,11 @@ class TrainingForward:
 
     def __init__(self, target: nn.Module, draft: DFlashDraftModel, tap_layers: list[int], cap: Capacity,
                  attention: str, compiled: bool, walk_weight: float = 0.0, draft_backend: str | None = None,
-                 distill: float = 0.0, prefix_weight: float = 0.0) -> None:
+                 distill: float = 0.0, prefix_weight: float = 0.0, opening_weight: float = 0.0,
+                 opening_tokens: int = 64) -> None:
         self.target, self.draft, self.tap_layers, self.cap = target, draft, tap_layers, cap
         self.walk_weight, self.prefix_weight = walk_weight, prefix_weight
+        self.opening_weight, self.opening_tokens = opening_weight, opening_tokens
         target.requires_grad_(False)
         self.device = target.embed_tokens.weight.device
         cuda = self.device.type == "cuda"
@@ -99,4 +101,9 @@ class TrainingForward:
             # acceptance over exactly those (train/walk.py), which start right after a draft the drafter got wrong
             visited = visited_blocks(mb, per_block.long(), B, self.cap.tokens)
             losses = losses * (1.0 + self.walk_weight * visited[mb.loss_rows // B].float())
+        if self.opening_weight > 0:
+            # blocks anchored in a response's first opening_tokens tokens weigh 1 + opening_weight: an answer's
+            # opening is where the drafter has least to go on and is accepted least (docs/training.md, session 14)
+            opening = mb.block_offset[mb.loss_rows] < self.opening_tokens
+            losses = losses * (1.0 + self.opening_weight * opening.float())
         return ForwardResult(losses.sum(), plain, hits, mb.loss_rows % B, per_block.sum(), per_block)

@@ -93,7 +93,8 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     cuda = device.type == "cuda"
     fwd = TrainingForward(lm.model, model, setup.tap_layers, cap, attention, compiled=cuda, walk_weight=cfg.walk_weight,
                           draft_backend="inductor" if cfg.compile_draft and cuda else None, distill=cfg.distill_weight,
-                          prefix_weight=cfg.prefix_weight)
+                          prefix_weight=cfg.prefix_weight, opening_weight=cfg.opening_weight,
+                          opening_tokens=cfg.opening_tokens)
     w_slot = slot_weights(B, cfg.loss_gamma or default_gamma(B))
     params = [p for p in model.parameters() if p.requires_grad]
     window = Window(B, device)
