@@ -197,9 +197,11 @@ def paged_attention(
         LAST_SPLIT=MAX_SPLITS - 1,
     )
     out = torch.empty_like(q)
-    merge = _ordered_merge_kernel if batch_invariant else _merge_kernel
-    merge[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                     BLOCK_D=triton.next_power_of_2(D))
+    if batch_invariant:
+        _ordered_merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_D=triton.next_power_of_2(D))
+    else:
+        _merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                                 BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
@@ -223,8 +225,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The merge of the batch-invariant mode: splits folded one at a time in position order (an online softmax over
     the partials), so the empty splits past a row's position, however many the batch has, change nothing (their
     weight is exp(-inf) = 0 and the running scale exp(0) = 1). A vector reduction over the splits would sum in an

@@ -1,8 +1,8 @@
 """The batch-invariant GEMM's tile against cuBLAS on the GPU, from one run: for each candidate tile, the time of every
 linear of a Qwen3-8B-shaped and a SmolLM2-135M-shaped target at M = 1, 16, 256 and 2048 rows (decode, verify of 16
 requests x 16 rows, prefill), its ratio to F.linear, and a check that rows do not depend on M. The tile with the
-lowest geometric-mean ratio over the decode and verify shapes (M <= 256) is printed last, as BLOCKSPEC_INVARIANT_TILE
-would take it. Usage: python -m blockspec.bench.invariant_gemm [--out FILE]"""
+lowest geometric-mean ratio over the decode and verify shapes (M <= 256) is printed last (the candidate for
+layers/invariant_linear.TILE). Usage: python -m blockspec.bench.invariant_gemm [--out FILE]"""
 
 from __future__ import annotations
 
@@ -68,11 +68,12 @@ def main() -> None:
     geo = {t: math.exp(sum(v) / len(v)) for t, v in score.items()}
     best = min((t for t in geo if t not in broken), key=geo.get)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "geomean_ratio_m_le_256": geo, "not_invariant": sorted(broken),
-                   "best": best, "rows": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "geomean_ratio_m_le_256": geo,
+                   "not_invariant": sorted(broken), "best": best, "rows": rows}, f, indent=1)
     for t in geo:  # the tile's ratio to cuBLAS per linear of the 8B shape at M = 1 / 16 / 256 / 2048
-        per = {f"{r['linear']}": [round(x["ratio"], 2) for x in rows if x["tile"] == t and x["model"] == "qwen3-8b"
-                                  and x["linear"] == r["linear"]] for r in rows if r["model"] == "qwen3-8b"}
+        per = {name: [round(x["ratio"], 2) for x in rows
+                      if x["tile"] == t and x["model"] == "qwen3-8b" and x["linear"] == name]
+               for name, _, _ in SHAPES["qwen3-8b"]}
         print(t, f"geomean {geo[t]:.2f}", "NOT INVARIANT" if t in broken else "", json.dumps(per), flush=True)
     print(best)
 

@@ -19,7 +19,8 @@ def _llm(args: argparse.Namespace):
     from blockspec.llm import LLM
 
     return LLM(args.model, speculative_config(args), device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
-               batch_invariant=args.batch_invariant, tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_batch_size,
+               batch_invariant=args.batch_invariant, tensor_parallel_size=args.tensor_parallel_size,
+               max_num_seqs=args.max_batch_size,
                enforce_eager=getattr(args, "enforce_eager", False))
 
 

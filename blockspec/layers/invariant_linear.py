@@ -12,7 +12,6 @@ not specialized on, so one compiled kernel serves every M. Rows beyond M are loa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +37,9 @@ class Tile:
         return cls(*(int(v) for v in text.split(",")))
 
 
-# One tile for every GEMM of a process: rows computed under different tiles round differently. The variable is a
-# benchmarking knob (python -m blockspec.bench.invariant_gemm compares tiles); outputs depend on it.
-TILE = Tile.parse(os.environ.get("BLOCKSPEC_INVARIANT_TILE", "64,64,64,4,3"))
+# One tile for every GEMM: rows computed under different tiles round differently. The fastest of eight on the H200
+# (python -m blockspec.bench.invariant_gemm, docs/perf.md).
+TILE = Tile(64, 64, 64, 4, 3)
 
 
 @triton.jit(do_not_specialize=["M"])

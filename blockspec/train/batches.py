@@ -54,8 +54,8 @@ class MicroBatch:
     block_pos: torch.Tensor  # [Q] int64: a + slot
     block_seq: torch.Tensor  # [Q] int64: sequence index; padding -1
     block_anchor: torch.Tensor  # [Q] int64: a; padding 0 (sees no context)
-    block_start: torch.Tensor  # [Q] bool: a is the first token of a response (where a verification walk starts)
-    block_offset: torch.Tensor  # [Q] int64: a minus the first position of a's response (0 at block_start)
+    # [Q] int64: a minus the first position of a's response; 0 where a verification walk starts
+    block_offset: torch.Tensor
     labels: torch.Tensor  # [Q] int64: x_{a+slot} (0 where unused)
     # [Q] int64: index into the packed tokens of the target position that predicts the label (a + slot - 1), for
     # distillation; 0 where unused. Built here on the host so the loss needs no host-to-device copy of its own.
@@ -129,8 +129,8 @@ def build_micro_batch(seqs: list[TokenSequence], cap: Capacity, num_anchors: int
     w = torch.cat(weights).float()
     mb = MicroBatch(
         torch.cat(ids), torch.cat(pos), torch.cat(sid), [len(s.input_ids) for s in seqs],
-        block_ids.flatten(), torch.cat(bpos), torch.cat(bseq), torch.cat(banchor), torch.cat(boff) == 0,
-        torch.cat(boff), torch.cat(labels), torch.cat(src), w,
+        block_ids.flatten(), torch.cat(bpos), torch.cat(bseq), torch.cat(banchor), torch.cat(boff),
+        torch.cat(labels), torch.cat(src), w,
         torch.nonzero(w > 0).flatten(), [len(f) for f in first], sum(len(s.input_ids) for s in seqs), n_blocks,
     )
     return _pad(mb, cap, mask_token_id) if cap.pad else mb
@@ -147,8 +147,8 @@ def _pad(mb: MicroBatch, cap: Capacity, mask_token_id: int) -> MicroBatch:
     return MicroBatch(
         ext(mb.input_ids, pt, 0), ext(mb.positions, pt, 0), ext(mb.seq_ids, pt, -1 - torch.arange(T, T + pt)),
         mb.seq_lens, ext(mb.block_ids, pq, mask_token_id), ext(mb.block_pos, pq, 0), ext(mb.block_seq, pq, -1),
-        ext(mb.block_anchor, pq, 0), ext(mb.block_start, pq, False), ext(mb.block_offset, pq, 0), ext(mb.labels, pq, 0),
-        ext(mb.label_src, pq, 0),
+        # block_offset 1: padding rows start no verification walk
+        ext(mb.block_anchor, pq, 0), ext(mb.block_offset, pq, 1), ext(mb.labels, pq, 0), ext(mb.label_src, pq, 0),
         ext(mb.weights, pq, 0.0),
         mb.loss_rows, mb.blocks_per_seq, mb.num_tokens, mb.num_blocks,
     )

@@ -22,7 +22,7 @@ from blockspec.train.walk import visited_blocks
 
 @dataclass
 class ForwardResult:
-    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE x the walk / prefix / opening factors (differentiable)
+    loss_sum: torch.Tensor  # scalar: sum over scored rows of w * CE x walk / prefix / opening factors (differentiable)
     plain_loss_sum: torch.Tensor  # scalar, detached: the same without those factors (logged: comparable across them)
     hits: torch.Tensor  # [R] bool: draft argmax == label at each scored row
     slots: torch.Tensor  # [R] block slot (1..B-1) of each scored row

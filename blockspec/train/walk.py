@@ -44,7 +44,7 @@ def visited_blocks(mb: MicroBatch, accepted: torch.Tensor, block_size: int, max_
     target = anchor + accepted + 1
     nxt = torch.cat([torch.where(target < length[s], block_at[(first[s] + target).clamp(max=T)], N),
                      torch.tensor([N], device=dev)])  # [N + 1]; N is a sink that points to itself
-    visited = torch.cat([mb.block_start[first_row], torch.zeros(1, dtype=torch.bool, device=dev)]).long()
+    visited = torch.cat([mb.block_offset[first_row] == 0, torch.zeros(1, dtype=torch.bool, device=dev)]).long()
     for _ in range(max(1, max_len - 1).bit_length() + 1):
         visited = (visited + torch.zeros_like(visited).index_add_(0, nxt, visited)).clamp_(max=1)
         nxt = nxt[nxt]
