@@ -12,6 +12,7 @@
 #   [DISTILL=W: --distill-weight W, labels mixed with the target's own distribution (experimental)]
 #   [WALK=W: --walk-weight W, the blocks verification visits weigh 1 + W (runs L, M: W = 2, then 4)]
 #   [OPENING=W: --opening-weight W, the blocks in a response's first 64 tokens weigh 1 + W (experimental)]
+#   [PREFIX=P: --prefix-weight P, a slot past the block's first miss weighs 1 - P (runs O, P: P = 0.5, then 1.0)]
 #   (without INIT: a new LAYERS-layer drafter)
 set -euo pipefail
 GGUF=${GGUF:?path of the SmolLM2-135M-Instruct Q4_1 GGUF}
@@ -42,7 +43,7 @@ resume=""
 $BLOCKSPEC train-draft --target "$GGUF" --data "${data[@]}" --out "$WORK/run" "${shape[@]}" --epochs "${EPOCHS:-6}" \
   --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" ${COMPILE:+--compile-draft} \
   ${TIME_LIMIT:+--time-limit "$TIME_LIMIT"} ${DISTILL:+--distill-weight "$DISTILL"} ${WALK:+--walk-weight "$WALK"} \
-  ${OPENING:+--opening-weight "$OPENING"} \
+  ${OPENING:+--opening-weight "$OPENING"} ${PREFIX:+--prefix-weight "$PREFIX"} \
   --save-every 200 --eval-set humaneval --eval-num-prompts 16 \
   --eval-every 1000 --val-fraction 0.02 $resume
 cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$WORK/run/train_report.json" "$WORK/run/train_log.jsonl" "$OUT/"
