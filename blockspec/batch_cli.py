@@ -54,7 +54,7 @@ def run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: LoadedDra
             record["acceptance_lengths"] = out.acceptance_lengths
             record["mean_acceptance_length"] = out.mean_acceptance_length
             if args.trace:
-                record["steps"] = out.steps
+                record["steps"] = [s.to_dict() for s in out.steps or []]
         if args.json:
             print(json.dumps(record))
         else:

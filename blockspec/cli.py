@@ -120,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return run_prompts_file(args, lm, draft, params)
     prompt_ids = prompt_from_args(args, tok, lm.source.name)
     if args.draft is not None:
-        from blockspec.spec.single import DFlashSession
+        from blockspec.speculative.single import DFlashSession
 
         session = DFlashSession(lm, draft, prompt_ids, params)
         stream = session.stream()
@@ -141,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result["acceptance_lengths"] = session.stats.acceptance_lengths
         result["mean_acceptance_length"] = session.stats.mean_acceptance_length
         if args.trace:
-            result["steps"] = session.steps
+            result["steps"] = [s.to_dict() for s in session.steps]
     print_result(args, result, tok, streamed=streamer is not None)
     return 0
 

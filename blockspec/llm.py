@@ -7,7 +7,8 @@ from typing import Iterator, Sequence as Seq
 from tqdm import tqdm
 
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.llm_engine import LLMEngine, RequestOutput
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.engine.outputs import RequestOutput
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams

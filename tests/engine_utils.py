@@ -15,7 +15,7 @@ from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.config import SpeculativeConfig
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
@@ -163,7 +163,7 @@ def spec_consistency(outs) -> None:
         assert sum(o.acceptance_lengths) == len(o.token_ids) - 1
         assert len(o.steps) == len(o.acceptance_lengths)
         for st, a in zip(o.steps, o.acceptance_lengths):
-            assert 1 <= a <= st["num_accepted"] + 1 <= len(st["draft"]) + 1
+            assert 1 <= a <= st.num_accepted + 1 <= len(st.draft) + 1
 
 
 # --------------------------------------------------------------------------------------------------------------

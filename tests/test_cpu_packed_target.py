@@ -24,7 +24,7 @@ from blockspec.loading import draft_loader
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from blockspec.train.export import save_draft
 from dflash_utils import cli_pair, needs_bf16
 from hf_utils import make_hf_model, save_hf_model

@@ -12,7 +12,7 @@ from blockspec.engine.decode_step import buckets
 from blockspec.generate import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
 

@@ -12,7 +12,7 @@ from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 
@@ -71,7 +71,7 @@ def test_traces_match_reference(tmp_path, arch, variant, K):
     # we always draft K. Compare every step the reference drafted at full width: all but the last few.
     full = [i for i, d in enumerate(ref_drafts) if len(d) == K]
     assert len(full) >= 10 and full == list(range(len(full)))
-    assert [s["draft"] for s in ours.steps[: len(full)]] == ref_drafts[: len(full)]
+    assert [s.draft for s in ours.steps[: len(full)]] == ref_drafts[: len(full)]
     assert ours.acceptance_lengths[: len(full)] == ref_lens[: len(full)]
 
 

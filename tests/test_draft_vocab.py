@@ -20,7 +20,7 @@ from blockspec.generate import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from dflash_utils import make_zlab_draft, needs_bf16
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, VOCAB, cycle_seq, trained_pair, with_k
@@ -110,7 +110,7 @@ def test_engine_and_single_request_lossless_with_draft_vocab(head):
     outs = LLM.from_loaded(lm, draft, max_num_seqs=3, block_size=4).generate(prompts, params, use_tqdm=False)
     for ref, single, out in zip(refs, singles, outs):
         assert single.token_ids == out.token_ids == ref
-        assert all(t < 30 for step in single.steps + out.steps for t in step["draft"])
+        assert all(t < 30 for step in single.steps + out.steps for t in step.draft)
     taus = [sum(o.acceptance_lengths) / len(o.acceptance_lengths) for o in outs]
     assert taus[0] > 5.0 and taus[1] == 1.0, taus
 

@@ -14,7 +14,7 @@ from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.sequence import Sequence, block_tables
 from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams
-from blockspec.spec.stats import SpecStats
+from blockspec.speculative.stats import SpecStats
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=32, intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,

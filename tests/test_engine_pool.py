@@ -131,12 +131,12 @@ def test_draft_len_schedule(trained, schedule):
     assert seen_k[small] > 0 and seen_k[7] > 0
     # the traces: all 8 ran together at first, so every request's first verify used the short block
     for o in outs:
-        assert len(o.steps[0]["draft"]) == small
-        assert {len(st["draft"]) for st in o.steps} <= {small, 7}
+        assert len(o.steps[0].draft) == small
+        assert {len(st.draft) for st in o.steps} <= {small, 7}
     longest = outs[-1]
-    assert len(longest.steps[-1]["draft"]) == 7  # alone at the end: the full block again
+    assert len(longest.steps[-1].draft) == 7  # alone at the end: the full block again
     if small == 0:
-        assert all(a == 1 for o in outs for a, st in zip(o.acceptance_lengths, o.steps) if not st["draft"])
+        assert all(a == 1 for o in outs for a, st in zip(o.acceptance_lengths, o.steps) if not st.draft)
 
 
 def test_speculate_false_request_decodes_plainly(trained):
@@ -151,7 +151,7 @@ def test_speculate_false_request_decodes_plainly(trained):
             assert o.acceptance_lengths and max(o.acceptance_lengths) > 1
         else:
             assert all(a == 1 for a in o.acceptance_lengths)
-            assert all(not st["draft"] for st in (o.steps or []))
+            assert all(not st.draft for st in (o.steps or []))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ def run_scenario(pair, sc: Scenario):
         spec = sc.use_draft and r.speculate
         if spec and toks:
             assert sum(o.acceptance_lengths) == len(toks) - 1
-            assert all(a <= st["num_accepted"] + 1 <= K + 1 for a, st in zip(o.acceptance_lengths, o.steps))
+            assert all(a <= st.num_accepted + 1 <= K + 1 for a, st in zip(o.acceptance_lengths, o.steps))
         elif not spec:
             assert set(o.acceptance_lengths) <= {1}
         ref_params = dataclasses.replace(r.params, max_tokens=cap)

@@ -1,6 +1,6 @@
 """`blockspec eval-draft` on a tiny trained target + drafter (tests/trained_pair.py) given a word-level tokenizer and a
 chat template: the JSON report's acceptance numbers equal those of the single-request reference loop
-(blockspec.spec.single) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written."""
+(blockspec.speculative.single) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from blockspec.train.export import save_draft
 from dflash_utils import needs_bf16
 from trained_pair import BLOCK, CYCLE_A, VOCAB, trained_pair
@@ -88,7 +88,7 @@ def test_eval_draft_json_matches_reference_loop(pair_dirs, tmp_path, capsys):
         assert ref.token_ids == generate(lm, ids, params).token_ids
         lens += ref.acceptance_lengths
         per_prompt.append(sum(ref.acceptance_lengths) / len(ref.acceptance_lengths))
-        accepted += [s["num_accepted"] for s in ref.steps]
+        accepted += [s.num_accepted for s in ref.steps]
         tokens += len(ref.token_ids)
     assert report["num_draft_tokens"] == k and report["num_verify_steps"] == len(lens)
     assert report["generated_tokens"] == report["baseline_generated_tokens"] == tokens

@@ -12,7 +12,7 @@ from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from dflash_utils import check_fused_draft_prologue, make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 

@@ -71,8 +71,8 @@ def test_metrics_match_the_requests():
     K = pair.draft.spec.num_draft_tokens
     for i in range(K):
         steps = [s for r in refs for s in r.steps]
-        proposed = sum(len(s["draft"]) > i for s in steps)
-        accepted = sum(len(s["draft"]) > i and s["num_accepted"] > i for s in steps)
+        proposed = sum(len(s.draft) > i for s in steps)
+        accepted = sum(len(s.draft) > i and s.num_accepted > i for s in steps)
         assert value("blockspec_draft_proposed_total", position=str(i + 1)) == proposed
         assert value("blockspec_draft_accepted_total", position=str(i + 1)) == accepted
     assert value("blockspec_draft_accepted_total", position="1") > 0

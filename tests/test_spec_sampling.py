@@ -21,8 +21,8 @@ from blockspec.generate import generate
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams, processed_probs
-from blockspec.spec.single import spec_generate
-from blockspec.spec.verify import accept_probabilistic, accept_tokens
+from blockspec.speculative.single import spec_generate
+from blockspec.speculative.verify import accept_probabilistic, accept_tokens
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from stats_utils import ALPHA, assert_fits, chi2_critical, chi2_sf, chi_square_gof, rejected
@@ -218,7 +218,7 @@ def spec_samples(lm, draft, n: int, params: dict, seed0: int = 0):
         assert len(r.token_ids) == N_TOKENS and r.finish_reason == "length"
         counts[tuple(r.token_ids)] += 1
         lengths.update(r.acceptance_lengths)
-        accepted.update(s["num_accepted"] for s in r.steps)
+        accepted.update(s.num_accepted for s in r.steps)
     return counts, lengths, accepted
 
 
@@ -274,7 +274,7 @@ def test_negative_control_wrong_temperature_is_rejected(models):
 def test_negative_control_lossy_acceptance_is_rejected(models, monkeypatch):
     """Power against the kind of bug this file is about: an off-by-one verifier that compares draft d_i with the
     target's sample at ITS OWN row (instead of the row before it) is caught by the same test."""
-    import blockspec.spec.single as single
+    import blockspec.speculative.single as single
 
     def off_by_one(drafts, target_tokens):
         shifted = torch.cat([target_tokens[:, 1:], target_tokens[:, -1:]], dim=1)

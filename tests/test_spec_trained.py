@@ -9,7 +9,7 @@ import pytest
 
 from blockspec.generate import generate
 from blockspec.sampling import SamplingParams
-from blockspec.spec.single import spec_generate
+from blockspec.speculative.single import spec_generate
 from trained_pair import CYCLE_B, CYCLES, cycle_seq, trained_pair, with_k
 
 PROMPTS = [[14, 15, 16, 17], CYCLE_B[7:12]]
@@ -56,14 +56,14 @@ def test_trained_draft_is_lossless_with_long_accepted_runs(trained, k):
     ref = generate(lm, OFF_PROMPT, greedy(40)).token_ids
     out = spec_generate(lm, d, OFF_PROMPT, greedy(40))
     assert out.token_ids == ref
-    assert any(st["num_accepted"] < k for st in out.steps[:-1])
+    assert any(st.num_accepted < k for st in out.steps[:-1])
 
 
 def _step_tokens(result, prompt_len: int):
     """(output index, step index, slot in the step's emitted run, emitted run length) for each step-emitted token."""
     rows = []
     for si, (step, emitted) in enumerate(zip(result.steps, result.acceptance_lengths)):
-        first = step["position"] - prompt_len + 1  # the step's bonus sits at output index position - P
+        first = step.position - prompt_len + 1  # the step's bonus sits at output index position - P
         rows.extend((first + j, si, j, emitted) for j in range(emitted))
     return rows
 
@@ -78,12 +78,12 @@ def test_stop_token_inside_an_accepted_run(trained):
     chosen = None
     for idx, si, j, emitted in _step_tokens(full, len(prompt)):
         t = ref[idx]
-        if ref.index(t) == idx and j < full.steps[si]["num_accepted"] and j + 2 < emitted and j >= 1:
+        if ref.index(t) == idx and j < full.steps[si].num_accepted and j + 2 < emitted and j >= 1:
             chosen = (idx, t, si)
             break
     assert chosen is not None, full.steps
     idx, t, si = chosen
-    assert full.steps[si]["draft"][idx - (full.steps[si]["position"] - len(prompt) + 1)] == t
+    assert full.steps[si].draft[idx - (full.steps[si].position - len(prompt) + 1)] == t
     out = spec_generate(lm, draft, prompt, greedy(60, stop_token_ids=[t]))
     assert out.token_ids == ref[: idx + 1]
     assert out.finish_reason == "stop"
@@ -106,7 +106,7 @@ def test_max_tokens_cuts_an_accepted_run(trained):
     assert out.token_ids == ref[:max_tokens]
     assert out.finish_reason == "length"
     assert len(out.steps) == si + 1
-    assert out.acceptance_lengths[-1] == 2 < out.steps[-1]["num_accepted"] + 1
+    assert out.acceptance_lengths[-1] == 2 < out.steps[-1].num_accepted + 1
 
 
 def test_full_block_drafting_is_lossless_and_engine_equals_reference(trained):
@@ -130,5 +130,5 @@ def test_full_block_drafting_is_lossless_and_engine_equals_reference(trained):
         assert out.token_ids == eng.token_ids == ref
         assert out.acceptance_lengths == eng.acceptance_lengths and max(out.acceptance_lengths) <= 3
         other = spec_generate(lm, short, prompt, greedy(40))
-        differ |= [s["draft"] for s in out.steps] != [s["draft"] for s in other.steps]
+        differ |= [s.draft for s in out.steps] != [s.draft for s in other.steps]
     assert differ

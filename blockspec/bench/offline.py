@@ -6,7 +6,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from blockspec.engine.llm_engine import RequestOutput
+from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel

@@ -25,7 +25,7 @@ from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from blockspec.spec.stats import SpecStats
+from blockspec.speculative.stats import SpecStats
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.sequence import Sequence, block_tables
 from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams, SamplingRows, sample_rows
-from blockspec.spec.verify import accept_tokens
+from blockspec.speculative.verify import accept_tokens
 
 if TYPE_CHECKING:
     from blockspec.engine.model_runner import ModelRunner, StepResult

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.outputs import FinishReason, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
@@ -16,22 +15,7 @@ from blockspec.kv.pool import CacheShape, KVPool
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
-from blockspec.spec.stats import SpecStats
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]  # all generated tokens so far
-    new_token_ids: list[int]  # generated since the previous output of this request
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    acceptance_lengths: list[int]
-    mean_acceptance_length: float | None
-    num_preemptions: int = 0
-    steps: list[dict] | None = None  # per verify step: position, drafts, num_accepted
-    error: str | None = None  # finish_reason "error": what failed in this request's own bookkeeping
+from blockspec.speculative.stats import SpecStats
 
 
 class LLMEngine:
@@ -105,16 +89,16 @@ class LLMEngine:
         reason = None
         for i, t in enumerate(new):
             if t in seq.stop_ids:
-                reason = "stop"
+                reason = FinishReason.STOP
             elif len(seq.output_ids) + i + 1 >= seq.max_new_tokens:
-                reason = "length"
+                reason = FinishReason.LENGTH
             if reason is not None:
                 new = new[: i + 1]
                 break
         seq.output_ids.extend(new)
         if num_accepted is not None and seq.speculate:
             seq.stats.record(num_accepted, len(new))
-            seq.trace.append({"position": seq.num_computed - kv_rows, "draft": seq.drafts, "num_accepted": num_accepted})
+            seq.trace.append(StepTrace(seq.num_computed - kv_rows, seq.drafts, num_accepted))
         # KV rows past a stop cut belong to no token: only positions that hold a token are committed
         committed = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
         if committed // self.pool.block_size > seq.num_hashed:  # a block filled up (seq.tokens copies the sequence)
@@ -135,7 +119,7 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - one request's failure must not take the batch down
                 r.seq.error = f"{type(e).__name__}: {e}"
                 if not r.seq.finished:
-                    self.scheduler.finish(r.seq, "error")
+                    self.scheduler.finish(r.seq, FinishReason.ERROR)
         K = self.config.draft_len(len(self.scheduler.running), self.K)
         to_draft, ks = [], []
         for r in results:

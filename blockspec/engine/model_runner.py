@@ -27,7 +27,7 @@ from blockspec.layers import kernels
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingRows, processed_probs_rows, race, sample_rows
-from blockspec.spec.verify import accept_probabilistic, accept_tokens
+from blockspec.speculative.verify import accept_probabilistic, accept_tokens
 
 
 @dataclass

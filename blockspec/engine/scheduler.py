@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from blockspec.engine.outputs import FinishReason
 from blockspec.engine.sequence import Sequence, SeqStatus
 from blockspec.kv.block_manager import BlockManager
 
@@ -102,7 +103,7 @@ class Scheduler:
             budget -= rows
         return out
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
@@ -112,6 +113,6 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
             self.blocks.release(seq.block_table)
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
         elif not seq.finished:
-            self.finish(seq, "abort")
+            self.finish(seq, FinishReason.ABORT)

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.engine.outputs import FinishReason, StepTrace
 from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams
-from blockspec.spec.stats import SpecStats
+from blockspec.speculative.stats import SpecStats
 
 
 class SeqStatus(enum.Enum):
@@ -39,9 +40,9 @@ class Sequence:
     num_hashed: int = 0  # leading blocks registered in the prefix cache
     drafts: list[int] = field(default_factory=list)  # proposals for the tokens after the bonus
     draft_probs: torch.Tensor | None = None  # [K, V] q of sampled drafts (probabilistic drafting only)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    trace: list[dict] = field(default_factory=list)
+    trace: list[StepTrace] = field(default_factory=list)
     num_streamed: int = 0  # output tokens already handed to the caller
     final_sent: bool = False
     error: str | None = None

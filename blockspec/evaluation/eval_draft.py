@@ -7,12 +7,12 @@ from dataclasses import dataclass, replace
 
 from blockspec.bench.offline import timed_generate
 from blockspec.config import EngineConfig
-from blockspec.engine.llm_engine import RequestOutput
+from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
-from blockspec.spec.stats import SpecStats
+from blockspec.speculative.stats import SpecStats
 
 
 @dataclass
@@ -55,7 +55,7 @@ def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
     stats = SpecStats(k)
     for out in outs:
         stats.acceptance_lengths += out.acceptance_lengths
-        stats.num_accepted += [step["num_accepted"] for step in out.steps or []]
+        stats.num_accepted += [step.num_accepted for step in out.steps or []]
     return stats
 
 

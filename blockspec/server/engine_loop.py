@@ -13,7 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from blockspec.engine.llm_engine import LLMEngine, RequestOutput
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.engine.outputs import RequestOutput
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingParams
 from blockspec.server.metrics import Metrics

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from blockspec.engine.llm_engine import RequestOutput
+from blockspec.engine.outputs import RequestOutput
 
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -76,10 +76,10 @@ class Metrics:
             if out.mean_acceptance_length is not None:
                 self.tau.observe(out.mean_acceptance_length)
             for step in out.steps or []:
-                drafted = len(step["draft"])
+                drafted = len(step.draft)
                 for i in range(drafted):
                     self.proposed[i] += 1
-                    self.accepted[i] += i < step["num_accepted"]
+                    self.accepted[i] += i < step.num_accepted
 
     def render(self) -> str:
         with self._lock:

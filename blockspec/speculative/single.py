@@ -14,13 +14,14 @@ from typing import Iterator
 import torch
 
 from blockspec.attention.dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
+from blockspec.engine.outputs import StepTrace
 from blockspec.generate import GenerationResult, check_prompt, stop_set
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec import rng
 from blockspec.sampling import SamplingParams, processed_probs, race, sample
-from blockspec.spec.stats import SpecStats
-from blockspec.spec.verify import accept_probabilistic, accept_tokens
+from blockspec.speculative.stats import SpecStats
+from blockspec.speculative.verify import accept_probabilistic, accept_tokens
 
 
 class DFlashSession:
@@ -42,7 +43,7 @@ class DFlashSession:
                                          draft.model.dtype, self.device)  # the drafter's dtype, maybe not the target's
         self.seed = params.resolve_seed()
         self.stats = SpecStats(self.K)
-        self.steps: list[dict] = []
+        self.steps: list[StepTrace] = []
         self.prompt_ids = prompt_ids
         self.taps = draft.spec.target_layer_ids
 
@@ -112,7 +113,7 @@ class DFlashSession:
                     cut = i + 1
                     break
             self.stats.record(n, cut)
-            self.steps.append({"position": start, "draft": drafts.tolist(), "num_accepted": n})
+            self.steps.append(StepTrace(start, drafts.tolist(), n))
             for t in new[:cut]:
                 yield t
             emitted += cut
