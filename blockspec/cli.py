@@ -223,7 +223,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from blockspec.bench.offline import bench, synthetic_prompts
+    from blockspec.evaluation.throughput import bench, synthetic_prompts
     from blockspec.loading.loader import load_model
 
     spec = speculative_config(args)

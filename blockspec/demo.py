@@ -11,9 +11,9 @@ from blockspec.config import SpeculativeConfig
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
+from blockspec.loading.detokenizer import IncrementalDecoder
 from blockspec.loading.loader import LoadedModel, load_model, resolve_device
 from blockspec.sampling import SamplingParams
-from blockspec.textstream import TextStreamer
 
 CPU_DRAFT_TOKENS = 4
 # argmax drafts over the first half of SmolLM2's vocabulary on CPU: its BPE ids are roughly frequency-ordered, ids
@@ -53,16 +53,15 @@ def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None, on_cpu: b
 
 def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tuple[list[int], list[int], float]:
     """(tokens, acceptance lengths, seconds) of one request; its text is streamed to stdout when `show`."""
-    streamer = TextStreamer(llm.tokenizer)
+    decoder = IncrementalDecoder(llm.tokenizer)
     tokens: list[int] = []
     acc: list[int] = []
     start = time.perf_counter()
     for out in llm.stream([ids], params):
-        for t in out.new_token_ids:
-            tokens.append(t)
-            if show:
-                sys.stdout.write(streamer.push(t))
-                sys.stdout.flush()
+        tokens += out.new_token_ids
+        if show:
+            sys.stdout.write(decoder.push(out.new_token_ids))
+            sys.stdout.flush()
         acc = out.acceptance_lengths
     return tokens, acc, time.perf_counter() - start
 

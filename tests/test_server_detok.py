@@ -9,7 +9,8 @@ import pytest
 
 from blockspec.loading.bundled import find_bundled
 from blockspec.loading.tokenizer import Tokenizer
-from blockspec.server.detok import ChoiceText, IncrementalDecoder
+from blockspec.loading.detokenizer import IncrementalDecoder
+from blockspec.server.detok import ChoiceText
 from server_utils import tiny_pair
 
 MIXED = "Héllo wörld! 日本語 emoji 🎉🚀 and  double  spaces,\n\tnew lines; café → naïve. ‘quotes’ “smart”"

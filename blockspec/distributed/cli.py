@@ -47,7 +47,7 @@ def generate_tp(args: argparse.Namespace, params: SamplingParams) -> int:
 
 def bench_tp(args: argparse.Namespace) -> dict:
     """Plain and (with --draft) speculative throughput of one tensor-parallel engine, as `blockspec bench` reports."""
-    from blockspec.bench.offline import measure, report, synthetic_prompts
+    from blockspec.evaluation.throughput import measure, report, synthetic_prompts
 
     llm = _llm(args)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from blockspec.bench.offline import timed_generate
+from blockspec.evaluation.throughput import timed_generate
 from blockspec.config import EngineConfig
 from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM

@@ -24,7 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _reply(llm, prompt_ids: list[int], params) -> tuple[str, object, float]:
     """Stream one reply to stdout; returns its text, the final RequestOutput and the seconds it took."""
-    from blockspec.server.detok import IncrementalDecoder
+    from blockspec.loading.detokenizer import IncrementalDecoder
 
     engine, decoder = llm.engine, IncrementalDecoder(llm.tokenizer)
     rid = engine.add_request(prompt_ids, params)

@@ -1,4 +1,4 @@
-"""`blockspec bench`: offline throughput of the batched engine, speculative vs plain, from one run."""
+"""Offline throughput of the batched engine, speculative vs plain, from one run (`blockspec bench`, eval-draft)."""
 
 from __future__ import annotations
 
