@@ -9,7 +9,7 @@ import sys
 import time
 
 from blockspec.errors import BlockspecError
-from blockspec.generate import check_prompt
+from blockspec.engine.sequence import check_prompt
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel

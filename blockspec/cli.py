@@ -93,10 +93,10 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockspec.generate import generate_stream, stop_set
+    from blockspec.llm import LLM
+    from blockspec.loading.detokenizer import IncrementalDecoder
     from blockspec.loading.loader import load_model
     from blockspec.sampling import SamplingParams
-    from blockspec.textstream import TextStreamer
 
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
@@ -108,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_tp(args, params)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
                     batch_invariant=args.batch_invariant)
-    session, draft = None, None
+    draft = None
     if spec is not None:
         from blockspec.loading.draft_loader import load_draft
 
@@ -119,30 +119,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         return run_prompts_file(args, lm, draft, params)
     prompt_ids = prompt_from_args(args, tok, lm.source.name)
-    if args.draft is not None:
-        from blockspec.speculative.single import DFlashSession
-
-        session = DFlashSession(lm, draft, prompt_ids, params)
-        stream = session.stream()
-    else:
-        stream = generate_stream(lm, prompt_ids, params)
-    streamer = TextStreamer(tok) if tok is not None and not args.json else None
+    # one request through the batched engine (the same step, and on CUDA the same graphs, as every other path), with
+    # a KV pool just large enough for it
+    K = draft.spec.num_draft_tokens if draft is not None else 0
+    cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=1, num_kv_blocks=max(2, -(-cap // 16) + 1),
+                          enforce_eager=args.enforce_eager)
+    decoder = IncrementalDecoder(tok) if tok is not None and not args.json else None
     t0 = time.perf_counter()
-    tokens: list[int] = []
-    for t in stream:
-        tokens.append(t)
-        if streamer is not None:
-            sys.stdout.write(streamer.push(t))
+    final = None
+    for final in llm.stream([prompt_ids], params):
+        if decoder is not None:
+            sys.stdout.write(decoder.push(final.new_token_ids))
             sys.stdout.flush()
     elapsed = time.perf_counter() - t0
-    reason = "stop" if tokens and tokens[-1] in stop_set(lm, params) else "length"
-    result = generation_result(tok, prompt_ids, tokens, reason, elapsed)
-    if session is not None:
-        result["acceptance_lengths"] = session.stats.acceptance_lengths
-        result["mean_acceptance_length"] = session.stats.mean_acceptance_length
+    result = generation_result(tok, prompt_ids, final.token_ids, final.finish_reason, elapsed)
+    if draft is not None:
+        result["acceptance_lengths"] = final.acceptance_lengths
+        result["mean_acceptance_length"] = final.mean_acceptance_length
         if args.trace:
-            result["steps"] = [s.to_dict() for s in session.steps]
-    print_result(args, result, tok, streamed=streamer is not None)
+            result["steps"] = [s.to_dict() for s in final.steps or []]
+    print_result(args, result, tok, streamed=decoder is not None)
     return 0
 
 

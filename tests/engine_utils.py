@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 
 from blockspec.engine.sequence import SeqStatus
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.config import SpeculativeConfig
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair

@@ -17,7 +17,7 @@ from blockspec.attention.torch_ref import attend
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import ConfigError, ModelLoadError
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_packed import PackedLinear
 from blockspec.llm import LLM
@@ -25,7 +25,7 @@ from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import load_model
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from dflash_utils import cli_pair, make_zlab_draft, needs_bf16
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair, with_k

@@ -16,7 +16,7 @@ from torch import nn
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_packed import PackedLinear, pack_linears, pack_target
 from blockspec.llm import LLM
@@ -24,7 +24,7 @@ from blockspec.loading import draft_loader
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from blockspec.train.export import save_draft
 from dflash_utils import cli_pair, needs_bf16
 from hf_utils import make_hf_model, save_hf_model

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from blockspec.engine.decode_step import buckets
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
 

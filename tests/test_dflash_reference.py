@@ -12,7 +12,7 @@ from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 

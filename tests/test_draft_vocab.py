@@ -16,11 +16,11 @@ from torch import nn
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig, resolve_spec
 from blockspec.errors import ConfigError
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from dflash_utils import make_zlab_draft, needs_bf16
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, VOCAB, cycle_seq, trained_pair, with_k

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from blockspec.errors import BlockspecError
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from engine_utils import check_block_accounting

@@ -1,6 +1,6 @@
 """`blockspec eval-draft` on a tiny trained target + drafter (tests/trained_pair.py) given a word-level tokenizer and a
 chat template: the JSON report's acceptance numbers equal those of the single-request reference loop
-(blockspec.speculative.single) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written."""
+(the dense oracle, tests/oracles.py) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import blockspec.loading.bundled_draft as bundled_draft
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.data.eval_prompts import load_eval_prompts
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.layers import cpu_packed
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from blockspec.train.export import save_draft
 from dflash_utils import needs_bf16
 from trained_pair import BLOCK, CYCLE_A, VOCAB, trained_pair

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blockspec.cli import main
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
 from hf_utils import make_hf_model, save_hf_model

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseKVCache
+from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.config import SpeculativeConfig
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from dflash_utils import check_fused_draft_prologue, make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 

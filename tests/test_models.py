@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseKVCache
+from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.loading.loader import load_model
 from hf_utils import make_hf_model, save_hf_model
 

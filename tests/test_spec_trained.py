@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.single import spec_generate
+from oracles import spec_generate
 from trained_pair import CYCLE_B, CYCLES, cycle_seq, trained_pair, with_k
 
 PROMPTS = [[14, 15, 16, 17], CYCLE_B[7:12]]

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseKVCache
+from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.distributed.layers import (HeadSplit, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, column_linear,
                                           head_split, vocab_shard)

@@ -128,7 +128,7 @@ def test_export_round_trips_through_the_inference_loader(target, tmp_path):
 
 def _block_logits(lm, m, ids: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """Draft logits of the block `ids` placed right after a context of len(taps) positions with these taps."""
-    from blockspec.attention.dense_cache import DenseDraftAttention, DenseKVCache
+    from dense_cache import DenseDraftAttention, DenseKVCache
 
     n = len(taps)
     pos = torch.arange(n, n + len(ids))

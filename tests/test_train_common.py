@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.data.shards import TokenSequence
-from blockspec.generate import generate
+from oracles import generate
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.train.config import TrainConfig

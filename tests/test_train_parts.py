@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
+from dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
 from blockspec.data.shards import TokenSequence
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseKVCache
+from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.attention.torch_ref import attend
 from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import LoadedDraft, load_draft

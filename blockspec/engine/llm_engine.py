@@ -9,7 +9,7 @@ from blockspec.engine.outputs import FinishReason, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.errors import BlockspecError
-from blockspec.generate import check_prompt
+from blockspec.engine.sequence import check_prompt
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.pool import CacheShape, KVPool
 from blockspec.loading.draft_loader import LoadedDraft

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.engine.outputs import FinishReason, StepTrace
+from blockspec.errors import BlockspecError
 from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.stats import SpecStats
@@ -67,6 +68,19 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_len: int) -> None:
+    if not prompt_ids:
+        raise BlockspecError("the prompt is empty: pass at least one token")
+    bad = [t for t in prompt_ids if not (0 <= t < vocab_size)]
+    if bad:
+        raise BlockspecError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) >= max_len:
+        raise BlockspecError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is {max_len} tokens "
+            f"(max_position_embeddings); shorten the prompt"
+        )
 
 
 def block_tables(seqs: list[Sequence], width: int, device: torch.device) -> torch.Tensor:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from blockspec.errors import BlockspecError
-from blockspec.generate import check_prompt
+from blockspec.engine.sequence import check_prompt
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.sampling import SamplingParams
 from blockspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest

@@ -1,27 +1,77 @@
-"""Single-request DFlash speculative decoding over dense caches (DFLASH.md section 3), the reference spec loop.
+"""Single-request reference loops over dense KV caches: the test oracles the engine is held to.
 
-It always drafts K tokens; the engine drafts fewer near max_model_len or under a draft_len_schedule, so the two
-agree step for step only away from those clips (both stay lossless).
-
-Per step: draft a block [bonus, MASK x K] in one draft pass, verify [bonus, d_1..d_K] in one target pass with taps,
-accept, append the committed rows' taps to the draft context cache, and the correction becomes the next bonus."""
+`generate` is plain autoregressive decoding; `spec_generate` / `DFlashSession` is DFlash speculative decoding
+(DFLASH.md section 3): per step draft a block [bonus, MASK x K] in one draft pass, verify [bonus, d_1..d_K] in one
+target pass with taps, accept, append the committed rows' taps to the draft context cache; the correction becomes
+the next bonus. It always drafts K tokens; the engine drafts fewer near max_model_len or under a draft_len_schedule,
+so the two agree step for step only away from those clips (both stay lossless)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from blockspec.attention.dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
+from blockspec import rng
 from blockspec.engine.outputs import StepTrace
-from blockspec.generate import GenerationResult, check_prompt, stop_set
+from blockspec.engine.sequence import check_prompt
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
-from blockspec import rng
 from blockspec.sampling import SamplingParams, processed_probs, race, sample
 from blockspec.speculative.stats import SpecStats
 from blockspec.speculative.verify import accept_probabilistic, accept_tokens
+from dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only
+    finish_reason: str  # "stop" | "length"
+    num_prompt_tokens: int
+    time_s: float
+    acceptance_lengths: list[int] = field(default_factory=list)  # speculative decoding only
+    steps: list[dict] = field(default_factory=list)  # speculative trace only
+
+
+def stop_set(lm: LoadedModel, params: SamplingParams) -> set[int]:
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(lm.stop_token_ids))
+
+
+@torch.inference_mode()
+def generate_stream(lm: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+    """Yields generated token ids one by one; stops on a stop id (yielded) or after max_tokens."""
+    cfg = lm.config
+    check_prompt(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings)
+    device = next(lm.model.parameters()).device
+    max_new = min(params.max_tokens, cfg.max_position_embeddings - len(prompt_ids))
+    cache = DenseKVCache.allocate(
+        cfg.num_hidden_layers, len(prompt_ids) + max_new, cfg.num_key_value_heads, cfg.head_dim,
+        next(lm.model.parameters()).dtype, device,
+    )
+    seed = params.resolve_seed()
+    stops = stop_set(lm, params)
+    ids = torch.tensor(prompt_ids, device=device)
+    positions = torch.arange(len(prompt_ids), device=device)
+    last = torch.tensor([len(prompt_ids) - 1], device=device)
+    for i in range(max_new):
+        attn = DenseCausalAttention(cache, positions, int(positions[-1]) + 1)
+        out = lm.model(ids, positions, attn, logit_rows=last if i == 0 else None)
+        token = int(sample(out.logits, params, seed, torch.tensor([len(prompt_ids) + i], device=device))[0])
+        yield token
+        if token in stops:
+            return
+        pos = len(prompt_ids) + i
+        ids = torch.tensor([token], device=device)
+        positions = torch.tensor([pos], device=device)
+
+
+def generate(lm: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+    t0 = time.perf_counter()
+    tokens = list(generate_stream(lm, prompt_ids, params))
+    reason = "stop" if tokens and tokens[-1] in stop_set(lm, params) else "length"
+    return GenerationResult(tokens, reason, len(prompt_ids), time.perf_counter() - t0)
 
 
 class DFlashSession:
