@@ -134,9 +134,6 @@ class EngineConfig:
     draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}
     attention_backend: str = "auto"  # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
     enforce_eager: bool = False  # True: never capture CUDA graphs (the decode step runs the same code uncaptured)
-    # BENCHMARK ONLY: pretend decode steps accept drafts with this mean acceptance length (tau), whatever the drafts
-    # are, to read throughput at a realistic tau off random weights. Outputs become meaningless. None: off.
-    bench_forced_tau: float | None = None
     tensor_parallel_size: int = 1  # ranks the target and drafter are split over (blockspec/distributed)
 
     def __post_init__(self) -> None:

@@ -10,8 +10,10 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.outputs import RequestOutput
 from blockspec.errors import BlockspecError, ConfigError
-from blockspec.loading.loader import load_model
+from blockspec.loading.draft_loader import LoadedDraft, load_draft
+from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.acceptance import AcceptancePolicy
 
 
 class LLM:
@@ -46,17 +48,17 @@ class LLM:
         self.tokenizer = self.lm.tokenizer
         draft = None
         if speculative_config is not None:
-            from blockspec.loading.draft_loader import load_draft
-
             draft = load_draft(speculative_config, self.lm)
         self.engine = LLMEngine(self.lm, draft, config)
 
     @classmethod
-    def from_loaded(cls, lm, draft=None, **engine_config) -> "LLM":
-        """Wrap an already loaded target (and draft) without reading any files again."""
+    def from_loaded(cls, lm: LoadedModel, draft: LoadedDraft | None = None,
+                    acceptance: AcceptancePolicy | None = None, **engine_config) -> LLM:
+        """Wrap an already loaded target (and draft) without reading any files again. acceptance: see LLMEngine
+        (benchmarks force one; users keep the default)."""
         self = cls.__new__(cls)
         self.lm, self.tokenizer, self.tp = lm, lm.tokenizer, None
-        self.engine = LLMEngine(lm, draft, EngineConfig(**engine_config))
+        self.engine = LLMEngine(lm, draft, EngineConfig(**engine_config), acceptance)
         return self
 
     def close(self) -> None:

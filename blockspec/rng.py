@@ -25,7 +25,7 @@ STREAM_ACCEPT = 2  # probabilistic drafting: the acceptance test's uniform
 # acceptance). Keyed by the block's start (the bonus position), not the sampled position: it is drawn once per
 # verify step and every step has its own start, so it is never reused.
 STREAM_RESIDUAL = 3
-STREAM_BENCH = 4  # benchmark-only forced acceptance (EngineConfig.bench_forced_tau)
+STREAM_BENCH = 4  # benchmark-only forced acceptance (blockspec.speculative.acceptance.ForcedAcceptance)
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

@@ -110,7 +110,7 @@ def test_sampled_seeds_follow_the_prompt_not_the_chunk(target, tmp_path, monkeyp
 
 
 def test_a_request_the_engine_fails_is_left_out(target, tmp_path, monkeypatch):
-    real = LLMEngine._commit
+    real = LLMEngine.commit
 
     def fails_once(self, seq, *a):
         if seq.prompt_ids == first_prompt and not seq.output_ids:
@@ -118,7 +118,7 @@ def test_a_request_the_engine_fails_is_left_out(target, tmp_path, monkeypatch):
         return real(self, seq, *a)
 
     first_prompt = builder.encode_prompts(target, TRAIN[:1], True)[0]
-    monkeypatch.setattr(LLMEngine, "_commit", fails_once)
+    monkeypatch.setattr(LLMEngine, "commit", fails_once)
     m = build_dataset(target, TRAIN, tmp_path / "d", max_tokens=6, use_tqdm=False)
     assert m.num_sequences == 5 and m.meta["finish_reasons"]["error"] == 1
     assert all(s.input_ids[: len(first_prompt)].tolist() != first_prompt for s in read_shards(tmp_path / "d"))

@@ -74,9 +74,9 @@ def test_mixed_steps_split_and_keep_outputs(pair):
     split = LLM.from_loaded(lm, draft, split_mixed_steps=True, **kw)
     runner = split.engine.runner
     mixed, calls = [], []
-    real_step, real_run, real_varlen = runner.step, runner.decode.run, runner._varlen_step
+    real_step, real_run, real_varlen = runner.step, runner.decode.run, runner.varlen_step
     runner.decode.run = lambda seqs, K: calls.append(("decode", len(seqs))) or real_run(seqs, K)
-    runner._varlen_step = lambda sch: calls.append(("varlen", len(sch))) or real_varlen(sch)
+    runner.varlen_step = lambda sch: calls.append(("varlen", len(sch))) or real_varlen(sch)
 
     def step(scheduled):
         calls.clear()

@@ -177,14 +177,14 @@ def test_engine_failure_in_one_request_fails_it_alone(server, pair, monkeypatch)
 
     _, _, lm, draft = pair
     doomed = [5, 6, 7, 8, 9]
-    original = LLMEngine._commit
+    original = LLMEngine.commit
 
     def commit(self, seq, *a):  # the fault: the engine's bookkeeping of one request raises mid-generation
         if seq.prompt_ids == doomed and len(seq.output_ids) >= 2:
             raise RuntimeError("injected engine fault")
         return original(self, seq, *a)
 
-    monkeypatch.setattr(LLMEngine, "_commit", commit)
+    monkeypatch.setattr(LLMEngine, "commit", commit)
     prompts = [f"fine {i}" for i in range(4)]
     refs = LLM.from_loaded(lm, draft).generate(prompts, SamplingParams(max_tokens=30), use_tqdm=False)
     errors_before = server.app.state.metrics.errors["request"]

@@ -28,7 +28,6 @@ class BroadcastingRunner:
 
     def __init__(self, runner: ModelRunner, tp: TPGroup) -> None:
         self.runner, self.tp = runner, tp
-        self.decode = runner.decode  # benchmarks reach the decode step through engine.runner
 
     def step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:
         broadcast(self.tp, StepMessage("step", scheduled=[ScheduledSeq(portable(s.seq), s.num_rows, s.is_prefill)

@@ -1,7 +1,8 @@
 """The decode step: B requests, each verifying a bonus + K drafts (K = 0: plain decoding), in one static-shape
-function: target forward over B x (K+1) rows -> sampling -> acceptance -> draft-context append of the committed
-rows -> the next block's drafts (draft forward from each request's new bonus). No host sync inside; the result is
-one packed int64 tensor [B, 2K+2] = (emitted tokens [K+1], num_accepted, next drafts [K]) copied to the host once.
+function over the shared stages of blockspec/speculative/step.py: verify B x (K+1) rows -> sample -> accept ->
+append the committed rows to the proposer's context -> propose the next block from each request's new bonus. No host
+sync inside; the result is one packed int64 tensor [B, 2K+2] = (emitted tokens [K+1], num_accepted, next drafts
+[K]) copied to the host once.
 
 Inputs live in static per-bucket buffers (batch padded up to a bucket size), so on CUDA the whole step is captured
 once per (bucket, K, sampling mode) as a CUDA graph and replayed; `enforce_eager` (and CPU) runs the same function
@@ -10,27 +11,17 @@ uncaptured, so graph and eager results are equal. Padding rows write nothing: th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from blockspec import rng
 from blockspec.attention.paged_ref import PagedBatch
-from blockspec.engine.sequence import Sequence, block_tables
+from blockspec.engine.scheduler import ScheduledSeq
+from blockspec.engine.sequence import Sequence, StepResult, block_tables
 from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams, SamplingRows, sample_rows
-from blockspec.speculative.verify import accept_tokens
-
-if TYPE_CHECKING:
-    from blockspec.engine.model_runner import ModelRunner, StepResult
-
-
-def forced_accept(seeds: torch.Tensor, start: torch.Tensor, K: int, tau: float) -> torch.Tensor:
-    """Benchmark only (EngineConfig.bench_forced_tau): drafts accepted per verify block, mean tau - 1, pseudo-random
-    by request seed and block start, so the decode step and the varlen step force the same n."""
-    want = min(max(tau - 1.0, 0.0), float(K))
-    u = rng.uniform(seeds, start, rng.STREAM_BENCH, 1)[:, 0]
-    return (int(want) + (u < want - int(want)).long()).clamp_max(K)
+from blockspec.speculative.acceptance import AcceptancePolicy
+from blockspec.speculative.proposer import CommittedRows, DraftBatch, StepModels
+from blockspec.speculative.step import commit_slots, slot_mapping, verify
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -55,7 +46,7 @@ class DecodeBuffers:
     draft_query_start: torch.Tensor  # [B+1] int32: row offsets of the next draft blocks, draft_rows(K) apart
 
     @classmethod
-    def allocate(cls, B: int, K: int, draft_rows: int, width: int, device: torch.device) -> "DecodeBuffers":
+    def allocate(cls, B: int, K: int, draft_rows: int, width: int, device: torch.device) -> DecodeBuffers:
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         offsets = torch.arange(B + 1, dtype=torch.int32, device=device)
         return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), z(B, dtype=torch.float32), z(B),
@@ -63,39 +54,40 @@ class DecodeBuffers:
 
 
 class DecodeStep:
-    def __init__(self, runner: "ModelRunner", max_num_seqs: int, capture: bool) -> None:
-        self.runner = runner
+    def __init__(self, models: StepModels, acceptance: AcceptancePolicy, max_num_seqs: int, max_model_len: int,
+                 vocab_size: int, capture: bool) -> None:
+        self.models, self.acceptance, self.vocab_size = models, acceptance, vocab_size
+        self.device = models.pool.k.device
         self.buckets = buckets(max_num_seqs)
         self.capture = capture
-        page = runner.pool.block_size
-        K = runner.draft.spec.num_draft_tokens if runner.draft is not None else 0
-        self.width = -(-(runner.max_model_len + K + 1) // page)  # block-table columns: up to the verify window
+        K = models.proposer.num_draft_tokens if models.proposer is not None else 0
+        self.width = -(-(max_model_len + K + 1) // models.pool.block_size)  # block-table columns: the verify window
         self.buffers: dict[tuple[int, int], DecodeBuffers] = {}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
-        self.forced_tau: float | None = None  # benchmark only (EngineConfig.bench_forced_tau)
 
     def draft_rows(self, K: int) -> int:
-        """Rows of the draft block this step proposes with K drafts (K + 1 without a drafter or drafts)."""
-        draft = self.runner.draft
-        return draft.spec.draft_rows(K) if draft is not None and K > 0 else K + 1
+        """Rows of the draft block this step proposes with K drafts (K + 1 without a proposer or drafts)."""
+        proposer = self.models.proposer
+        return proposer.draft_rows(K) if proposer is not None and K > 0 else K + 1
 
-    def _takes(self, s) -> bool:
+    def _takes(self, s: ScheduledSeq) -> bool:
         """Whether the decode step can run this scheduled request: decoding, with argmax drafts (or none; drafts
-        need a drafter)."""
-        return not s.is_prefill and s.seq.draft_probs is None and (self.runner.draft is not None or not s.seq.drafts)
+        need a proposer)."""
+        return (not s.is_prefill and s.seq.draft_probs is None
+                and (self.models.proposer is not None or not s.seq.drafts))
 
-    def eligible(self, scheduled: list) -> int | None:
+    def eligible(self, scheduled: list[ScheduledSeq]) -> int | None:
         """K when every scheduled request decodes with K argmax drafts (or none) and the batch fits a bucket."""
         if not scheduled or len(scheduled) > self.buckets[-1]:
             return None
         K = len(scheduled[0].seq.drafts)
         return K if all(self._takes(s) and len(s.seq.drafts) == K for s in scheduled) else None
 
-    def split(self, scheduled: list) -> tuple[list, list]:
+    def split(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
         """A mixed step's requests -> (the largest group the decode step can take: decoding with the same K argmax
         drafts, at most the largest bucket; everything else)."""
-        groups: dict[int, list] = {}
+        groups: dict[int, list[ScheduledSeq]] = {}
         for s in scheduled:
             if self._takes(s):
                 groups.setdefault(len(s.seq.drafts), []).append(s)
@@ -105,19 +97,13 @@ class DecodeStep:
         taken = {id(s) for s in group}
         return group, [s for s in scheduled if id(s) not in taken]
 
-    def run(self, seqs: list[Sequence], K: int) -> list["StepResult"]:
-        from blockspec.engine.model_runner import StepResult
-
+    def run(self, seqs: list[Sequence], K: int) -> list[StepResult]:
         B = next(b for b in self.buckets if b >= len(seqs))
         buf = self.buffers.get((B, K))
         if buf is None:
-            buf = self.buffers[(B, K)] = DecodeBuffers.allocate(B, K, self.draft_rows(K), self.width,
-                                                                self.runner.device)
-        rows = self._fill(buf, seqs, K)
-        if self.capture:
-            packed = self._replay(buf, rows, K)
-        else:
-            packed = self.forward(buf, rows)
+            buf = self.buffers[(B, K)] = DecodeBuffers.allocate(B, K, self.draft_rows(K), self.width, self.device)
+        rows = self.fill(buf, seqs, K)
+        packed = self.replay(buf, rows, K) if self.capture else self.forward(buf, rows)
         host = packed[: len(seqs)].tolist()  # the step's one device-to-host copy
         out = []
         for seq, r in zip(seqs, host):
@@ -125,14 +111,14 @@ class DecodeStep:
             out.append(StepResult(seq, r[: n + 1], n, n + 1, r[K + 2:] if K > 0 else None))
         return out
 
-    def _fill(self, buf: DecodeBuffers, seqs: list[Sequence], K: int) -> SamplingRows:
+    def fill(self, buf: DecodeBuffers, seqs: list[Sequence], K: int) -> SamplingRows:
         """Copy this step's inputs into the static buffers (host -> device, one copy per buffer)."""
         B, n, cpu = buf.input_ids.shape[0], len(seqs), torch.device("cpu")
         pad = B - n  # padding rows: greedy, position 0, block table all block 0, slots -1 (never written)
         tables = torch.zeros(B, self.width, dtype=torch.long)
         tables[:n] = block_tables(seqs, self.width, cpu)
         rows = SamplingRows.build([s.params for s in seqs] + [SamplingParams()] * pad, [s.seed for s in seqs] + [0] * pad,
-                                  cpu, self.runner.vocab_size)
+                                  cpu, self.vocab_size)
         host = {
             "input_ids": host_tensor([t for s in seqs for t in (s.bonus, *s.drafts)] + [0] * (pad * (K + 1))
                                      ).view(B, K + 1),
@@ -145,7 +131,8 @@ class DecodeStep:
         return SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, rows.all_greedy, rows.use_top_k,
                             rows.use_top_p)
 
-    def _replay(self, buf: DecodeBuffers, rows: SamplingRows, K: int) -> torch.Tensor:
+    def replay(self, buf: DecodeBuffers, rows: SamplingRows, K: int) -> torch.Tensor:
+        """The step from its CUDA graph, captured on the first call for this (bucket, K, sampling mode)."""
         key = (buf.input_ids.shape[0], K, rows.all_greedy, rows.use_top_k, rows.use_top_p)
         if key not in self.graphs:
             # Warm up on a side stream (Triton compiles its kernels here), then capture. The warm-up runs the real
@@ -164,40 +151,29 @@ class DecodeStep:
         return packed
 
     def forward(self, buf: DecodeBuffers, rows: SamplingRows) -> torch.Tensor:
-        r = self.runner
-        lm, draft, pool = r.lm.model, r.draft, r.pool
+        """The step itself, eagerly: what the graph captures."""
+        models, proposer = self.models, self.models.proposer
         B, K1 = buf.input_ids.shape
-        K, page = K1 - 1, pool.block_size
-        R = self.draft_rows(K)
-        offs = torch.arange(max(K1, R), device=buf.start.device)
-        pos = buf.start[:, None] + offs[:K1]  # [B, K+1]
-        slots = buf.block_tables.gather(1, pos // page) * page + pos % page
-        slots = torch.where(buf.valid[:, None], slots, -1)
+        K = K1 - 1
+        pos = buf.start[:, None] + torch.arange(K1, device=buf.start.device)  # [B, K+1]
+        slots = torch.where(buf.valid[:, None], slot_mapping(buf.block_tables, pos, models.pool.block_size), -1)
         batch = PagedBatch(pos.flatten(), slots.flatten(), buf.query_start, (buf.start + K1).int(), buf.block_tables,
                            K1, None)
-        out = lm(buf.input_ids.flatten(), batch.positions, r.backend.target(pool, batch), tap_layers=r.taps)
+        out = verify(models, buf.input_ids.flatten(), batch)
         chosen = sample_rows(out.logits, rows.repeat(K1), batch.positions + 1).view(B, K1)
         if K > 0:
-            tokens, n = accept_tokens(buf.input_ids[:, 1:], chosen)
-            if self.forced_tau is not None:
-                tokens, n = chosen, forced_accept(buf.seeds, buf.start, K, self.forced_tau)
+            tokens, n = self.acceptance.accept(buf.input_ids[:, 1:], chosen, buf.seeds, buf.start)
         else:
             tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
-        if draft is None:
-            return torch.cat([tokens, n[:, None]], dim=1)
-        ctx_slots = torch.where(offs[None, :K1] <= n[:, None], slots, -1).flatten()
-        r._append_context(out.taps, batch.positions, ctx_slots)
+        packed = torch.cat([tokens, n[:, None]], dim=1)
+        if proposer is None:
+            return packed
+        proposer.append_context(models, CommittedRows(buf.input_ids.flatten(), batch.positions,
+                                                      commit_slots(slots, n).flatten(), out.taps))
         if K == 0:
-            return torch.cat([tokens, n[:, None]], dim=1)
-        # the next block: [new bonus, MASK x (R-1)] at positions start + n + 1 ..., over the context committed so far;
-        # R = K + 1 rows, or the trained block size with full_block_drafting (its first K drafts are used)
-        bonus = tokens.gather(1, n[:, None])
-        start = buf.start + n + 1
-        ids = torch.cat([bonus, torch.full((B, R - 1), draft.spec.mask_token_id, device=bonus.device)], dim=1)
-        dpos = (start[:, None] + offs[:R]).flatten()
-        dbatch = PagedBatch(dpos, torch.full_like(dpos, -1), buf.draft_query_start, start.int(), buf.block_tables, R,
-                            None)
-        hidden = draft.model(lm.embed_tokens(ids.flatten()), dpos, r.backend.draft(pool, dbatch))
-        hidden = hidden.view(B, R, -1)[:, 1:K1].reshape(B * K, -1)
-        drafts = draft.model.greedy_drafts(hidden, lm.lm_head).view(B, K)
-        return torch.cat([tokens, n[:, None], drafts], dim=1)
+            return packed
+        # the next block from each request's new bonus (the last emitted token) at position start + n + 1
+        bonus = tokens.gather(1, n[:, None])[:, 0]
+        proposal = proposer.propose(models, DraftBatch(bonus, buf.start + n + 1, buf.block_tables,
+                                                       buf.draft_query_start, K, self.draft_rows(K)))
+        return torch.cat([packed, proposal.drafts], dim=1)

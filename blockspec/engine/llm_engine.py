@@ -3,51 +3,53 @@
 from __future__ import annotations
 
 import itertools
+
+from blockspec.attention.backends import get_backend
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.outputs import FinishReason, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
-from blockspec.engine.sequence import Sequence
+from blockspec.engine.sequence import Sequence, check_prompt
 from blockspec.errors import BlockspecError
-from blockspec.engine.sequence import check_prompt
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.pool import CacheShape, KVPool
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.acceptance import AcceptancePolicy, TargetAcceptance
+from blockspec.speculative.proposer import StepModels
+from blockspec.speculative.registry import build_proposer
 from blockspec.speculative.stats import SpecStats
 
-
 class LLMEngine:
-    def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, config: EngineConfig | None = None) -> None:
+    def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, config: EngineConfig | None = None,
+                 acceptance: AcceptancePolicy | None = None) -> None:
+        """acceptance: how drafts are accepted (default: the lossless TargetAcceptance; benchmarks pass
+        ForcedAcceptance)."""
         self.lm, self.draft = lm, draft
         self.config = config = config or EngineConfig()
         cfg = lm.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.model.parameters())
-        target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        dshape = None
-        if draft is not None:
-            d = draft.config
-            dshape = CacheShape(d.num_hidden_layers, d.num_key_value_heads, d.head_dim)
+        proposer = build_proposer(draft) if draft is not None else None
         blocks = config.num_kv_blocks
         if blocks is None:
             tokens = min(config.kv_cache_tokens, config.max_num_seqs * self.max_model_len)
             blocks = max(2, -(-tokens // config.block_size))
-        # the draft context K/V in the drafter's own dtype (bf16 under an fp32 target with cpu_bf16_draft)
-        self.pool = KVPool(blocks, config.block_size, target, dshape, param.dtype, param.device,
-                           draft.model.dtype if draft is not None else None)
+        target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.pool = KVPool(blocks, config.block_size, target, proposer.cache_shape if proposer else None, param.dtype,
+                           param.device, proposer.cache_dtype if proposer else None)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
-        self.runner = ModelRunner(lm, draft, self.pool, self.max_model_len, config.attention_backend,
-                                  config.enforce_eager, config.max_num_seqs)
-        self.runner.decode.forced_tau = config.bench_forced_tau
-        self.runner.split_mixed = config.split_mixed_steps
+        models = StepModels(lm.model, proposer, self.pool,
+                            get_backend(config.attention_backend, param.device, lm.batch_invariant))
+        self.runner = ModelRunner(models, acceptance or TargetAcceptance(), self.max_model_len, cfg.vocab_size,
+                                  config.enforce_eager, config.max_num_seqs, config.split_mixed_steps)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
-        self.K = draft.spec.num_draft_tokens if draft is not None else 0
+        self.K = proposer.num_draft_tokens if proposer is not None else 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     speculate: bool = True) -> str:
@@ -84,7 +86,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def _commit(self, seq: Sequence, new: list[int], num_accepted: int | None, kv_rows: int) -> None:
+    def commit(self, seq: Sequence, new: list[int], num_accepted: int | None, kv_rows: int) -> None:
         seq.num_computed += kv_rows
         reason = None
         for i, t in enumerate(new):
@@ -111,11 +113,11 @@ class LLMEngine:
         every running request's tokens and trace each step, which adds up at hundreds of requests)."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return self._outputs([], finished_only)
+            return self.collect_outputs([], finished_only)
         results = self.runner.step(scheduled)
         for r in results:
             try:
-                self._commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
+                self.commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
             except Exception as e:  # noqa: BLE001 - one request's failure must not take the batch down
                 r.seq.error = f"{type(e).__name__}: {e}"
                 if not r.seq.finished:
@@ -137,9 +139,9 @@ class LLMEngine:
                 seq.drafts, seq.draft_probs = [], None
         if to_draft:
             self.runner.propose(to_draft, ks)
-        return self._outputs([r.seq for r in results], finished_only)
+        return self.collect_outputs([r.seq for r in results], finished_only)
 
-    def _outputs(self, seqs: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
+    def collect_outputs(self, seqs: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
         seqs, self._aborted = seqs + self._aborted, []
         outs = []
         for seq in seqs:

@@ -70,6 +70,17 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
 
+@dataclass
+class StepResult:
+    """What one engine step did for one request (the runner's answer; the engine commits it)."""
+
+    seq: Sequence
+    new_tokens: list[int]  # tokens committed this step (before stop/max_tokens cuts)
+    num_accepted: int | None  # drafts accepted (verify rows only)
+    num_kv_rows: int  # rows whose target KV + proposer context became valid this step
+    next_drafts: list[int] | None = None  # the next block's drafts, when the step drafted them already
+
+
 def check_prompt(prompt_ids: list[int], vocab_size: int, max_len: int) -> None:
     if not prompt_ids:
         raise BlockspecError("the prompt is empty: pass at least one token")

@@ -1,0 +1,57 @@
+"""DFlash as a Proposer: a block-diffusion drafter conditioned on the target's tapped hidden states (DFLASH.md).
+
+append_context: the committed rows' taps -> fc -> hidden_norm -> each draft layer's k/v, written into the draft
+pages of the pool at the rows' own slots (the context the drafter attends to). propose: one draft forward over
+[bonus, MASK x (rows - 1)] per request, attending to that context; the drafts are the argmax of its rows 1..K."""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.attention.paged_ref import PagedBatch
+from blockspec.kv.pool import CacheShape
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.speculative.proposer import CommittedRows, DraftBatch, Proposal, Proposer, StepModels
+
+
+class DFlashProposer(Proposer):
+    name = "dflash"
+
+    def __init__(self, draft: LoadedDraft) -> None:
+        self.draft, self.spec = draft, draft.spec
+        cfg = draft.config
+        self.tap_layers = list(draft.spec.target_layer_ids)
+        self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.cache_dtype = draft.model.dtype  # bf16 under an fp32 target with cpu_bf16_draft
+        self.num_draft_tokens = draft.spec.num_draft_tokens
+        self.probabilistic = draft.spec.probabilistic_drafting
+
+    def draft_rows(self, K: int) -> int:
+        return self.spec.draft_rows(K)  # the trained block size with full_block_drafting
+
+    def append_context(self, models: StepModels, rows: CommittedRows) -> None:
+        pool, slots = models.pool, rows.slots
+        kvs = self.draft.model.context_kv(rows.taps, rows.positions,
+                                          lambda layer: (pool.draft_k[layer], pool.draft_v[layer], slots))
+        for layer, (k, v) in enumerate(kvs):
+            if k is not None and v is not None:  # None: the fused GPU prologue wrote them already
+                models.backend.store(pool.draft_k[layer], pool.draft_v[layer], k, v, slots)
+
+    def propose(self, models: StepModels, batch: DraftBatch, want_logits: bool = False) -> Proposal:
+        B, K, R = batch.bonus.shape[0], batch.num_draft_tokens, batch.rows
+        target, model = models.target, self.draft.model
+        ids = torch.cat([batch.bonus[:, None],
+                         torch.full((B, R - 1), self.spec.mask_token_id, device=batch.bonus.device)], dim=1)
+        offs = torch.arange(R, device=batch.bonus.device)
+        pos = (batch.start[:, None] + offs).flatten()
+        # the block's own k/v are never stored (slots -1); it sees the context at positions < start
+        paged = PagedBatch(pos, torch.full_like(pos, -1), batch.query_start, batch.start.int(), batch.block_tables,
+                           R, batch.max_kv_len)
+        hidden = model(target.embed_tokens(ids.flatten()), pos, models.backend.draft(models.pool, paged))
+        hidden = hidden.view(B, R, -1)[:, 1:K + 1].reshape(B * K, -1)
+        if want_logits:
+            logits = model.compute_logits(hidden, target.lm_head)
+            # argmax of the whole-vocabulary logits: greedy requests of a probabilistic drafter keep these
+            return Proposal(logits.max(-1).indices.view(B, K), logits.view(B, K, -1))
+        # the argmax head (over token ids < draft_vocab_size when set)
+        return Proposal(model.greedy_drafts(hidden, target.lm_head).view(B, K))
