@@ -1,15 +1,15 @@
-"""The engine benchmarks on CPU: blockspec.bench.datagen at a tiny shape (forced acceptance, benchmark-only, is the
+"""The engine benchmarks on CPU: benchmarks.datagen at a tiny shape (forced acceptance, benchmark-only, is the
 same on the varlen step and the decode step, so the split_mixed_steps A/B generates the same tokens at the forced
-tau in both rows), blockspec.bench.host, and the vectorized block-table builder it measures."""
+tau in both rows), benchmarks.host, and the vectorized block-table builder it measures."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from blockspec.bench.datagen import measure, workload
-from blockspec.bench.random_pair import make_pair
-from blockspec.bench.host import decode_step_ms
+from benchmarks.datagen import measure, workload
+from benchmarks.host import decode_step_ms
+from benchmarks.random_pair import make_pair
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.engine.sequence import Sequence, block_tables
 from blockspec.host_tensors import host_tensor

@@ -7,7 +7,7 @@ import ast
 import hashlib
 from pathlib import Path
 
-from blockspec.data.prompts import PromptFile
+from blockspec.data.prompt_set import PromptFile
 from blockspec.errors import BlockspecError
 
 MIN_LINES, MAX_LINES = 4, 80

@@ -7,34 +7,19 @@ item before the cut instead of failing."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from blockspec.data.code_prompts import code_prompts
+from blockspec.data.lines import json_line, numbered_lines, utf8_text
+from blockspec.data.prompt_set import PromptFile, PromptSet
 from blockspec.errors import BlockspecError
 
 TEXT_FIELDS = ("prompt", "instruction", "question", "problem", "text")
 CHAT_FIELDS = ("conversations", "messages")
 USER_ROLES = ("human", "user")
 _CHUNK = 1 << 20  # characters read at a time from a JSON array
-
-
-@dataclass
-class PromptFile:
-    path: str
-    prompts: list[str]
-    num_records: int  # JSON objects / lines / code units read
-    note: str | None = None  # why reading stopped early (truncated file), for the user and the manifest
-
-
-@dataclass
-class PromptSet:
-    prompts: list[str]
-    files: list[PromptFile] = field(default_factory=list)
-
-    def summary(self) -> list[dict[str, Any]]:
-        return [{"path": f.path, "records": f.num_records, "prompts": len(f.prompts), "note": f.note}
-                for f in self.files]
+_EXPECTED = "; expected JSONL (one object per line), a JSON array, or a .txt file with one prompt per line"
 
 
 def record_prompts(obj: Any, where: str, first_turn_only: bool) -> list[str]:
@@ -132,17 +117,13 @@ class JsonArrayItems:
 
 
 def read_prompt_file(path: str | Path, first_turn_only: bool = False) -> PromptFile:
-    from blockspec.data.code_prompts import code_prompts
-
     p = Path(path)
     if p.is_dir() or p.suffix == ".py":
         return code_prompts(p)
     if not p.is_file():
         raise BlockspecError(f"prompt file {path}: no such file")
-    try:
+    with utf8_text(path):
         return _read_text_file(p, first_turn_only)
-    except UnicodeDecodeError as e:
-        raise BlockspecError(f"{path}: not UTF-8 text ({e})") from None
 
 
 def _read_text_file(p: Path, first_turn_only: bool) -> PromptFile:
@@ -156,22 +137,12 @@ def _read_text_file(p: Path, first_turn_only: bool) -> PromptFile:
             records += 1
             prompts += record_prompts(obj, f"{p}:{line}: item {records}", first_turn_only)
         return PromptFile(str(p), prompts, records, items.stopped)
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            records += 1
-            if p.suffix == ".txt":
-                prompts.append(line.rstrip("\r\n"))
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BlockspecError(f"{p}:{n}: invalid JSON ({e.msg}); expected JSONL (one object per line), "
-                                     f"a JSON array, or a .txt file with one prompt per line") from None
-            prompts += record_prompts(obj, f"{p}:{n}", first_turn_only)
-    if records == 0:
-        raise BlockspecError(f"{p}: no prompts (the file is empty)")
+    for n, line in numbered_lines(p):
+        records += 1
+        if p.suffix == ".txt":
+            prompts.append(line)
+        else:
+            prompts += record_prompts(json_line(p, n, line, _EXPECTED), f"{p}:{n}", first_turn_only)
     return PromptFile(str(p), prompts, records)
 
 

@@ -1,7 +1,7 @@
 """Host-side cost of an engine decode step (scheduler, input buffers, block tables, result unpacking, commit), on the
 CPU, with the decode step's model forward replaced by a stand-in that accepts n drafts per request: on the GPU the
 forward is one CUDA graph replay, and this is the Python work around it that the GPU waits for at large batches.
-Usage: python -m blockspec.bench.host [--batch 512] [--K 7] [--accept 2] [--repeats 3]"""
+Usage: python -m benchmarks.host [--batch 512] [--K 7] [--accept 2] [--repeats 3]"""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from blockspec.bench.datagen import workload
-from blockspec.bench.random_pair import make_pair
+from benchmarks.datagen import workload
+from benchmarks.random_pair import make_pair
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.llm import LLM
 

@@ -4,7 +4,7 @@ SmolLM2-135M-shaped target with random weights and a 4-layer block-16 drafter, `
 requests as in real data generation), acceptance forced to `tau` (benchmark-only: random weights accept nothing),
 min_admit = batch / 16 as draft-data sets it. One row per EngineConfig.split_mixed_steps setting, each with the
 engine's host-side breakdown. Usage (GPU):
-  python -m blockspec.bench.datagen [--batch 512] [--K 7] [--tau 3.5] [--requests 4096] [--out FILE]"""
+  python -m benchmarks.datagen [--batch 512] [--K 7] [--tau 3.5] [--requests 4096] [--out FILE]"""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import time
 
 import torch
 
-from blockspec.bench.random_pair import make_pair
-from blockspec.bench.step import instrument
+from benchmarks.random_pair import make_pair
+from benchmarks.step import instrument
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.acceptance import ForcedAcceptance
 
 SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -44,8 +45,8 @@ def measure(lm: LoadedModel, draft: LoadedDraft, batch: int, tau: float, prompts
     again timed; tokens/s and the host breakdown of the timed run."""
     mean_prompt = sum(map(len, prompts)) // len(prompts)
     kv = batch * (mean_prompt + max(p.max_tokens for p in params) + 2 * draft.spec.num_draft_tokens + 2)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=batch, kv_cache_tokens=kv, min_admit=max(1, batch // 16),
-                          max_num_batched_tokens=16384, bench_forced_tau=tau, split_mixed_steps=split,
+    llm = LLM.from_loaded(lm, draft, acceptance=ForcedAcceptance(tau), max_num_seqs=batch, kv_cache_tokens=kv,
+                          min_admit=max(1, batch // 16), max_num_batched_tokens=16384, split_mixed_steps=split,
                           enable_prefix_caching=False)  # the timed run must not hit the warm-up's prompts
     llm.generate(prompts, params, use_tqdm=False)
     host = instrument(llm.engine)

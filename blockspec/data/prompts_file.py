@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockspec.data.lines import json_line, numbered_lines
 from blockspec.errors import BlockspecError
 
 
@@ -21,22 +21,13 @@ def read_prompts_file(path: str) -> list[PromptSpec]:
     p = Path(path)
     if not p.is_file():
         raise BlockspecError(f"--prompts-file {path}: no such file")
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise BlockspecError(f"{path}: not UTF-8 text ({e})") from None
-    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    if not numbered:
-        raise BlockspecError(f"{path}: no prompts (the file is empty)")
+    numbered = list(numbered_lines(path))
     jsonl = p.suffix == ".jsonl" or numbered[0][1].lstrip().startswith("{")
     if not jsonl:
         return [PromptSpec(line, None, None, n) for n, line in numbered]
     out = []
     for n, line in numbered:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BlockspecError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        obj = json_line(path, n, line)
         if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
             raise BlockspecError(f"{path}:{n}: each line must be an object with exactly one of 'prompt' or 'prompt_ids'")
         text, ids, mt = obj.get("prompt"), obj.get("prompt_ids"), obj.get("max_tokens")

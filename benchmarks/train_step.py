@@ -2,7 +2,7 @@
 layers over anchors x B block rows, chunked loss, backward) on a SmolLM2-135M-shaped bf16 target with random weights
 and synthetic sequences, with the draft pass eager and compiled (`train-draft --compile-draft`), plus an optional
 torch-profiler table of the eager step. Same weights and micro-batches for both, so their losses and gradient norms
-must agree. Usage: python -m blockspec.bench.train_step [--layers 4] [--anchors 4096] [--profile] [--json]"""
+must agree. Usage: python -m benchmarks.train_step [--layers 4] [--anchors 4096] [--profile] [--json]"""
 
 from __future__ import annotations
 

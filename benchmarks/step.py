@@ -1,11 +1,11 @@
-"""Step benchmark on the GPU, in one run: the engine's own decode step (engine/decode_step.py, replayed from its
+"""Step benchmark on the GPU, in one run: the engine's own decode step (`engine.runner.decode`, replayed from its
 CUDA graph) for plain AR decoding and for DFlash spec decoding (verify B x (K+1) + accept + context append + next
 drafts), on a Qwen3-8B-shaped bf16 target with random weights and a 5-layer block-16 drafter, against
   - the weight-read floor: weight bytes / copy bandwidth measured in the same run;
   - HF transformers `generate` on identical weights (batch 1);
 plus a per-part breakdown (GEMMs / attention / other kernels / gaps), end-to-end tokens/s through LLMEngine with a
 forced acceptance length (benchmark-only), and a bf16 greedy comparison with HF (first divergences and their
-top-2 logit gaps). Usage: python -m blockspec.bench.step --out docs/perf/step_bench.json
+top-2 logit gaps). Usage: python -m benchmarks.step --out docs/perf/step_bench.json
 (--batch-invariant: only the step table, as usual and then with the target batch-invariant, for that mode's cost)"""
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import time
 
 import torch
 
-from blockspec.bench.random_pair import make_pair
+from benchmarks.random_pair import make_pair
 from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import DecodeBuffers
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams, SamplingRows
+from blockspec.speculative.acceptance import ForcedAcceptance
 
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -53,14 +54,14 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 
 def free_memory() -> None:
-    """Engines hold reference cycles (runner <-> decode step) and graph pools: collect them before the next pool."""
+    """A dropped engine may sit in reference cycles with its CUDA graph pool: collect it before the next pool."""
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tuple[float, float, dict | None]:
     """(graph ms, eager ms, breakdown at batch 1) of one decode step of B requests at context ctx."""
-    from blockspec.bench.parts import breakdown
+    from benchmarks.parts import breakdown
 
     K = draft.spec.num_draft_tokens if draft is not None else 0
     per = -(-(ctx + 2 * K + 2) // 16)
@@ -73,8 +74,8 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tup
     buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
     rows = SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, True, False, False)
     with torch.inference_mode():
-        dec._replay(buf, rows, K)  # warm-up + capture
-        graph = time_ms(lambda: dec._replay(buf, rows, K), 30)
+        dec.replay(buf, rows, K)  # warm-up + capture
+        graph = time_ms(lambda: dec.replay(buf, rows, K), 30)
         eager = time_ms(lambda: dec.forward(buf, rows), 10)
         parts = breakdown(lambda: dec.forward(buf, rows), graph) if B == 1 and ctx == 1024 else None
     return graph, eager, parts  # the engine and its pool are freed on return
@@ -84,7 +85,8 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     """tokens/s of LLMEngine.generate: B requests, ctx-token random prompts, `new` tokens each (prefill included)."""
     from blockspec.llm import LLM
 
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64), bench_forced_tau=tau)
+    forced = ForcedAcceptance(tau) if tau is not None else None
+    llm = LLM.from_loaded(lm, draft, acceptance=forced, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B + 1)]
     warm, prompts = prompts[:1], prompts[1:]
@@ -106,7 +108,8 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
 
 
 def instrument(engine: LLMEngine) -> dict[str, float]:
-    """Wall time spent in each part of the engine's step (and call counts), accumulated into the returned dict."""
+    """Wall time spent in each part of the engine's step (and call counts), accumulated into the returned dict by
+    timing wrappers around this engine's public step methods."""
     totals: dict[str, float] = {}
 
     def wrap(obj, name: str, label: str) -> None:
@@ -123,17 +126,17 @@ def instrument(engine: LLMEngine) -> dict[str, float]:
         setattr(obj, name, timed)
 
     wrap(engine.scheduler, "schedule", "schedule")
-    wrap(engine.runner, "_varlen_step", "varlen_step")
+    wrap(engine.runner, "varlen_step", "varlen_step")
     wrap(engine.runner.decode, "run", "decode_step")
-    wrap(engine.runner.decode, "_fill", "decode_fill")
+    wrap(engine.runner.decode, "fill", "decode_fill")
     wrap(engine.runner, "propose", "propose")
-    wrap(engine, "_commit", "commit")
-    wrap(engine, "_outputs", "outputs")
+    wrap(engine, "commit", "commit")
+    wrap(engine, "collect_outputs", "outputs")
     return totals
 
 
 def greedy_vs_hf(lm: LoadedModel, draft: LoadedDraft, hf, n_prompts: int = 8, n: int = 64) -> dict:
-    from blockspec.bench.hf_ref import hf_greedy
+    from benchmarks.hf_ref import hf_greedy
     from blockspec.llm import LLM
 
     g = torch.Generator().manual_seed(1)
@@ -208,7 +211,7 @@ def main() -> None:
     e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 16)]
     for r in e2e:
         print(json.dumps(r), flush=True)
-    from blockspec.bench.hf_ref import hf_ar_step_ms, hf_twin
+    from benchmarks.hf_ref import hf_ar_step_ms, hf_twin
 
     free_memory()
 

@@ -2,7 +2,7 @@
 linear of a Qwen3-8B-shaped and a SmolLM2-135M-shaped target at M = 1, 16, 256 and 2048 rows (decode, verify of 16
 requests x 16 rows, prefill), its ratio to F.linear, and a check that rows do not depend on M. The tile with the
 lowest geometric-mean ratio over the decode and verify shapes (M <= 256) is printed last (the candidate for
-layers/invariant_linear.TILE). Usage: python -m blockspec.bench.invariant_gemm [--out FILE]"""
+layers/invariant_linear.TILE). Usage: python -m benchmarks.invariant_gemm [--out FILE]"""
 
 from __future__ import annotations
 
