@@ -28,7 +28,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> ConfigError:
-            return ConfigError(f"invalid sampling value {name}={value!r}: {rule}")
+            return ConfigError(f"invalid sampling value {name}={value!r}: {rule}", field=name)
 
         if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature < float("inf")):
             raise bad("temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)")

@@ -41,8 +41,8 @@ def assert_pool_empty(srv: LiveServer) -> None:
     assert all(r == 0 for r in srv.engine.blocks.ref)
 
 
-def finished_count(srv: LiveServer, reason: str) -> int:
-    return srv.app.state.metrics.finished[reason]
+def finished_count(srv: LiveServer, reason: str) -> float:
+    return srv.app.state.metrics.value("blockspec_finished_requests_total", finish_reason=reason)
 
 
 async def consume(stream, chat: bool) -> tuple[str, list[int], list[str], set[str]]:
@@ -90,7 +90,7 @@ def test_64_concurrent_streaming_clients(server, pair):
         assert len(stream_ids) == 1, i
     assert len({s for r in results for s in r[3]}) == n  # one id per request
     # batched across clients: one request at a time would take at least sum(max_tokens) = 573 steps
-    assert server.app.state.metrics.step_latency.count < 150
+    assert server.app.state.metrics.value("blockspec_step_latency_seconds_count") < 150
     assert_pool_empty(server)
 
 
@@ -167,7 +167,7 @@ def test_internal_error_fails_one_request_alone(server, pair, monkeypatch):
     assert isinstance(results[1], openai.APIError) and "internal error while serving request cmpl-" in str(results[1])
     for (text, ids, reasons, _), ref in zip(results[2:], refs):
         assert ids == ref.token_ids and reasons == [ref.finish_reason]
-    assert server.app.state.metrics.errors["request"] == 2
+    assert server.app.state.metrics.value("blockspec_errors_total", kind="request") == 2
     assert_pool_empty(server)  # the failed requests' engine requests were aborted
     assert finished_count(server, "abort") == 2
 
@@ -187,7 +187,7 @@ def test_engine_failure_in_one_request_fails_it_alone(server, pair, monkeypatch)
     monkeypatch.setattr(LLMEngine, "commit", commit)
     prompts = [f"fine {i}" for i in range(4)]
     refs = LLM.from_loaded(lm, draft).generate(prompts, SamplingParams(max_tokens=30), use_tqdm=False)
-    errors_before = server.app.state.metrics.errors["request"]
+    errors_before = server.app.state.metrics.value("blockspec_errors_total", kind="request")
 
     async def main():
         async with server.async_client(timeout=120) as client:
@@ -201,7 +201,7 @@ def test_engine_failure_in_one_request_fails_it_alone(server, pair, monkeypatch)
     assert isinstance(results[0], openai.InternalServerError) and results[0].status_code == 500
     for (text, ids, reasons, _), ref in zip(results[1:], refs):
         assert ids == ref.token_ids and reasons == [ref.finish_reason]
-    assert server.app.state.metrics.errors["request"] == errors_before + 1
+    assert server.app.state.metrics.value("blockspec_errors_total", kind="request") == errors_before + 1
     assert_pool_empty(server)  # the failed choice finished in the engine, its sibling choice was aborted
 
 
@@ -223,7 +223,7 @@ def test_failed_engine_step_fails_requests_in_flight_and_serving_goes_on(server,
     assert_pool_empty(server)
     ok = client.completions.create(model="tiny", prompt="second", max_tokens=5, temperature=0)
     assert len(ok.choices[0].token_ids) == 5
-    assert server.app.state.metrics.errors["step"] == 1
+    assert server.app.state.metrics.value("blockspec_errors_total", kind="step") == 1
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new(pair):

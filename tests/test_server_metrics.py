@@ -22,9 +22,11 @@ MAX_TOKENS = 40
 
 def scrape(srv: LiveServer) -> dict[tuple[str, tuple], float]:
     r = httpx.get(srv.url + "/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    assert not [name for name, _ in samples if name.endswith("_created")]  # only blockspec's own series
+    return samples
 
 
 def test_metrics_match_the_requests():

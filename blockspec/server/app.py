@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.server.engine_loop import EngineLoop
-from blockspec.server.metrics import Metrics
+from blockspec.server.metrics import CONTENT_TYPE, Metrics
 from blockspec.server.prepare import ModelLimits, prepare_chat, prepare_completion
 from blockspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from blockspec.server.runner import ServingState, run_request
@@ -93,7 +93,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from blockspec.engine.llm_engine import LLMEngine
-from blockspec.engine.outputs import RequestOutput
+from blockspec.engine.outputs import FinishReason, RequestOutput
 from blockspec.errors import BlockspecError
 from blockspec.sampling import SamplingParams
 from blockspec.server.metrics import Metrics
@@ -187,7 +187,7 @@ class EngineLoop:
         for out in outputs:
             self.metrics.record_output(out)
             owner = self._owners.pop(out.request_id, None) if out.finished else self._owners.get(out.request_id)
-            if owner is not None and out.finish_reason == "error":  # the engine failed this request alone
+            if owner is not None and out.finish_reason is FinishReason.ERROR:  # the engine failed this request alone
                 log.error("request %s failed in the engine: %s", out.request_id, out.error)
                 self.metrics.count_error("request")
                 siblings = [rid for rid, (st, _) in self._owners.items() if st is owner[0]]  # its other choices

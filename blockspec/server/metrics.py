@@ -1,119 +1,115 @@
-"""Server metrics, written by the engine thread and the HTTP handlers, rendered in Prometheus' text format.
+"""Server metrics, written by the engine thread and the HTTP handlers, exposed through prometheus_client.
 
-No client library: a handful of counters, gauges and histograms behind one lock is all the server needs."""
+Each app has its own CollectorRegistry (several apps may live in one process, e.g. in tests); the metrics' own locks
+make them safe to update from both threads."""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from typing import Iterable
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from blockspec.engine.outputs import RequestOutput
 
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format generate_latest writes
 
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)  # per bucket, not cumulative
-        self.sum = 0.0
-        self.count = 0
+class _WithoutCreated(Collector):
+    """The metrics minus the `_created` series prometheus_client adds to counters and histograms: the exposed series
+    stay the ones blockspec always had, without flipping the library's process-wide switch."""
 
-    def observe(self, value: float) -> None:
-        for i, le in enumerate(self.buckets):
-            if value <= le:
-                self.counts[i] += 1
-                break
-        self.sum += value
-        self.count += 1
+    def __init__(self, metrics: list[MetricWrapperBase]) -> None:
+        self.metrics = metrics
 
-    def samples(self, name: str) -> list[str]:
-        lines, total = [], 0
-        for le, n in zip(self.buckets, self.counts):
-            total += n
-            lines.append(f'{name}_bucket{{le="{le}"}} {total}')
-        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
-        return lines
+    def collect(self) -> Iterable[Metric]:
+        for metric in self.metrics:
+            for family in metric.collect():
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
 
 
 class Metrics:
     def __init__(self, num_draft_tokens: int, kv_blocks_total: int) -> None:
-        self._lock = threading.Lock()
-        self.http: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> responses
-        self.finished: Counter[str] = Counter()  # finish reason -> engine requests (one per choice)
-        self.errors: Counter[str] = Counter()  # "request" (one request failed) | "step" (an engine step raised)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.tau = Histogram(TAU_BUCKETS)  # per finished speculative request
-        self.step_latency = Histogram(LATENCY_BUCKETS)
-        self.proposed = [0] * num_draft_tokens  # drafts offered at position i (1-based i = index + 1)
-        self.accepted = [0] * num_draft_tokens  # ... and accepted
-        self.waiting = self.running = self.kv_used = 0
-        self.kv_total = kv_blocks_total
+        made: list[MetricWrapperBase] = []  # registered below, through the filter
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            made.append(Counter(name, doc, labels, registry=None))  # exposed as `name`: it ends in "_total"
+            return made[-1]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            made.append(Gauge(name, doc, registry=None))
+            return made[-1]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            made.append(Histogram(name, doc, buckets=buckets, registry=None))
+            return made[-1]
+
+        self.http = counter("blockspec_requests_total", "HTTP responses by endpoint and status code.",
+                            ("endpoint", "status"))
+        self.finished = counter("blockspec_finished_requests_total",
+                                "Engine requests (one per choice) finished, by finish reason.", ("finish_reason",))
+        self.errors = counter("blockspec_errors_total", "Internal errors: one request failed, or an engine step.",
+                              ("kind",))
+        self.prompt_tokens = counter("blockspec_prompt_tokens_total", "Prompt tokens of finished engine requests.")
+        self.generation_tokens = counter("blockspec_generation_tokens_total", "Tokens generated by the engine.")
+        self.proposed = counter("blockspec_draft_proposed_total", "Draft tokens proposed at each block position.",
+                                ("position",))
+        self.accepted = counter("blockspec_draft_accepted_total", "Draft tokens accepted at each block position.",
+                                ("position",))
+        self.waiting = gauge("blockspec_requests_waiting", "Engine requests waiting to be scheduled.")
+        self.running = gauge("blockspec_requests_running", "Engine requests running.")
+        self.kv_used = gauge("blockspec_kv_blocks_used", "KV pool blocks held by requests.")
+        self.kv_total = gauge("blockspec_kv_blocks_total", "KV pool blocks.")
+        self.kv_usage = gauge("blockspec_kv_usage_ratio", "Fraction of KV pool blocks held by requests.")
+        self.tau = histogram("blockspec_request_mean_acceptance_length",
+                             "tau (mean tokens per verify step) of each finished speculative request.", TAU_BUCKETS)
+        self.step_latency = histogram("blockspec_step_latency_seconds", "Wall time of one engine step.",
+                                      LATENCY_BUCKETS)
+        for i in range(num_draft_tokens):  # every position is exposed from the start, at 0
+            self.proposed.labels(position=str(i + 1))
+            self.accepted.labels(position=str(i + 1))
+        self.kv_total.set(kv_blocks_total)
+        self._kv_blocks_total = kv_blocks_total
+        self.registry = CollectorRegistry()
+        self.registry.register(_WithoutCreated(made))
 
     def count_http(self, path: str, status: int) -> None:
-        with self._lock:
-            self.http[(path if path in ENDPOINTS else "other", status)] += 1
+        self.http.labels(endpoint=path if path in ENDPOINTS else "other", status=str(status)).inc()
 
     def count_error(self, kind: str) -> None:
-        with self._lock:
-            self.errors[kind] += 1
+        """kind: "request" (one request failed) or "step" (an engine step raised)."""
+        self.errors.labels(kind=kind).inc()
 
     def record_step(self, seconds: float, waiting: int, running: int, kv_used: int) -> None:
-        with self._lock:
-            self.step_latency.observe(seconds)
-            self.waiting, self.running, self.kv_used = waiting, running, kv_used
+        self.step_latency.observe(seconds)
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.kv_used.set(kv_used)
+        self.kv_usage.set(kv_used / self._kv_blocks_total)
 
     def record_output(self, out: RequestOutput) -> None:
-        with self._lock:
-            self.generation_tokens += len(out.new_token_ids)
-            if not out.finished:
-                return
-            self.finished[out.finish_reason or "unknown"] += 1
-            self.prompt_tokens += len(out.prompt_ids)
-            if out.mean_acceptance_length is not None:
-                self.tau.observe(out.mean_acceptance_length)
-            for step in out.steps or []:
-                drafted = len(step.draft)
-                for i in range(drafted):
-                    self.proposed[i] += 1
-                    self.accepted[i] += i < step.num_accepted
+        self.generation_tokens.inc(len(out.new_token_ids))
+        if not out.finished:
+            return
+        self.finished.labels(finish_reason=out.finish_reason.value if out.finish_reason else "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_ids))
+        if out.mean_acceptance_length is not None:
+            self.tau.observe(out.mean_acceptance_length)
+        for step in out.steps or []:
+            for i in range(len(step.draft)):
+                self.proposed.labels(position=str(i + 1)).inc()
+                if i < step.num_accepted:
+                    self.accepted.labels(position=str(i + 1)).inc()
 
-    def render(self) -> str:
-        with self._lock:
-            labelled = [  # (name, kind, help, {label string: value})
-                ("blockspec_requests_total", "counter", "HTTP responses by endpoint and status code.",
-                 {f'endpoint="{e}",status="{s}"': n for (e, s), n in sorted(self.http.items())}),
-                ("blockspec_finished_requests_total", "counter",
-                 "Engine requests (one per choice) finished, by finish reason.",
-                 {f'finish_reason="{r}"': n for r, n in sorted(self.finished.items())}),
-                ("blockspec_errors_total", "counter", "Internal errors: one request failed, or an engine step.",
-                 {f'kind="{k}"': n for k, n in sorted(self.errors.items())}),
-                ("blockspec_prompt_tokens_total", "counter", "Prompt tokens of finished engine requests.",
-                 {"": self.prompt_tokens}),
-                ("blockspec_generation_tokens_total", "counter", "Tokens generated by the engine.",
-                 {"": self.generation_tokens}),
-                ("blockspec_draft_proposed_total", "counter", "Draft tokens proposed at each block position.",
-                 {f'position="{i + 1}"': n for i, n in enumerate(self.proposed)}),
-                ("blockspec_draft_accepted_total", "counter", "Draft tokens accepted at each block position.",
-                 {f'position="{i + 1}"': n for i, n in enumerate(self.accepted)}),
-                ("blockspec_requests_waiting", "gauge", "Engine requests waiting to be scheduled.", {"": self.waiting}),
-                ("blockspec_requests_running", "gauge", "Engine requests running.", {"": self.running}),
-                ("blockspec_kv_blocks_used", "gauge", "KV pool blocks held by requests.", {"": self.kv_used}),
-                ("blockspec_kv_blocks_total", "gauge", "KV pool blocks.", {"": self.kv_total}),
-                ("blockspec_kv_usage_ratio", "gauge", "Fraction of KV pool blocks held by requests.",
-                 {"": self.kv_used / self.kv_total}),
-            ]
-            lines = []
-            for name, kind, help_text, values in labelled:
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-                lines += [f"{name}{{{labels}}} {v}" if labels else f"{name} {v}" for labels, v in values.items()]
-            for name, help_text, hist in (
-                ("blockspec_request_mean_acceptance_length",
-                 "tau (mean tokens per verify step) of each finished speculative request.", self.tau),
-                ("blockspec_step_latency_seconds", "Wall time of one engine step.", self.step_latency),
-            ):
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *hist.samples(name)]
-        return "\n".join(lines) + "\n"
+    def value(self, name: str, **labels: str) -> float:
+        """One exposed sample, e.g. value("blockspec_errors_total", kind="step"); 0 where none was counted yet."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -5,10 +5,9 @@ the engine, and fails with APIError(400) naming the field."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, ConfigError
 from blockspec.engine.sequence import check_prompt
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.sampling import SamplingParams
@@ -86,9 +85,8 @@ def _sampling(req: SamplingRequest, max_tokens: int, seed_offset: int, limits: M
         return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               seed=None if req.seed is None else req.seed + seed_offset,
                               max_tokens=max_tokens, stop_token_ids=list(stop_ids))
-    except BlockspecError as e:  # SamplingParams' messages start "invalid sampling value NAME=VALUE"
-        m = re.match(r"invalid sampling value (\w+)=", str(e))
-        raise _bad(m.group(1) if m else "sampling", str(e)) from None
+    except ConfigError as e:
+        raise _bad(e.field or "sampling", str(e)) from None
 
 
 def _max_tokens(requested: int | None, default: int | None, param: str, prompt_len: int, limits: ModelLimits) -> int:

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockspec.engine.outputs import FinishReason
+
 
 @dataclass
 class Usage:
@@ -48,11 +50,12 @@ class ResponseFormat:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, texts: list[str], token_ids: list[list[int]], reasons: list[str], usage: Usage) -> dict:
+    def response(self, texts: list[str], token_ids: list[list[int]], reasons: list[FinishReason | None],
+                 usage: Usage) -> dict:
         choices = []
         for i, (text, ids, reason) in enumerate(zip(texts, token_ids, reasons)):
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": i, **body, "logprobs": None, "finish_reason": reason, "token_ids": ids})
+            choices.append({"index": i, **body, "logprobs": None, "finish_reason": _plain(reason), "token_ids": ids})
         return {**self._envelope(choices, chunk=False), "usage": usage.body()}
 
     def opening_chunks(self, n: int) -> list[str]:
@@ -64,9 +67,9 @@ class ResponseFormat:
                                           chunk=True))
                 for i in range(n)]
 
-    def chunk(self, index: int, text: str, token_ids: list[int], reason: str | None) -> str:
+    def chunk(self, index: int, text: str, token_ids: list[int], reason: FinishReason | None) -> str:
         body = {"delta": {"content": text}} if self.chat else {"text": text}
-        choice = {"index": index, **body, "logprobs": None, "finish_reason": reason, "token_ids": token_ids}
+        choice = {"index": index, **body, "logprobs": None, "finish_reason": _plain(reason), "token_ids": token_ids}
         return self._sse(self._envelope([choice], chunk=True))
 
     def usage_chunk(self, usage: Usage) -> str:
@@ -82,3 +85,8 @@ class ResponseFormat:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+def _plain(reason: FinishReason | None) -> str | None:
+    """OpenAI's JSON carries the plain string ("stop", "length", ...)."""
+    return None if reason is None else reason.value

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from blockspec.engine.outputs import FinishReason
 from blockspec.server.detok import ChoiceText
 from blockspec.server.engine_loop import EngineLoop, RequestStream
 from blockspec.server.metrics import Metrics
@@ -37,7 +38,7 @@ class Update:
     position: int  # choice index
     text: str  # new final text
     token_ids: list[int]  # new tokens consumed
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 class _Request:
@@ -57,7 +58,7 @@ class _Request:
             seen = len(text.token_ids)
             delta, reason = text.push(out.new_token_ids), None
             if text.stopped:
-                reason = "stop"
+                reason = FinishReason.STOP
                 self.state.engine_loop.abort(self.stream, pos)
             elif out.finished:
                 delta, reason = delta + text.finish(), out.finish_reason
@@ -87,7 +88,7 @@ async def _respond_json(req: _Request, fmt: ResponseFormat, request: Request) ->
     watcher = asyncio.ensure_future(_watch_disconnect(request, req.stream))
     try:
         texts = [""] * len(req.texts)
-        reasons: list[str] = [""] * len(req.texts)
+        reasons: list[FinishReason | None] = [None] * len(req.texts)
         async for u in req.updates():
             texts[u.position] += u.text
             if u.finish_reason is not None:
