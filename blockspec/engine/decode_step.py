@@ -168,8 +168,8 @@ class DecodeStep:
         packed = torch.cat([tokens, n[:, None]], dim=1)
         if proposer is None:
             return packed
-        proposer.append_context(models, CommittedRows(buf.input_ids.flatten(), batch.positions,
-                                                      commit_slots(slots, n).flatten(), out.taps))
+        proposer.append_context(models, CommittedRows(buf.input_ids.flatten(), batch, commit_slots(slots, n).flatten(),
+                                                      out.taps))
         if K == 0:
             return packed
         # the next block from each request's new bonus (the last emitted token) at position start + n + 1

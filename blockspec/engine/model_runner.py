@@ -92,7 +92,7 @@ class ModelRunner:
         flat, where, keep = self._accept_all(scheduled, first_logit, qs, out.logits, chosen, len(positions))
         if self.models.proposer is not None:
             self.models.proposer.append_context(self.models, CommittedRows(
-                token_ids, batch.positions, torch.where(keep, batch.slot_mapping, -1), out.taps))
+                token_ids, batch, torch.where(keep, batch.slot_mapping, -1), out.taps))
         host = torch.cat(flat).tolist() if flat else []  # the step's one device-to-host copy
         results = []
         for i, s in enumerate(scheduled):

@@ -31,7 +31,7 @@ class DFlashProposer(Proposer):
 
     def append_context(self, models: StepModels, rows: CommittedRows) -> None:
         pool, slots = models.pool, rows.slots
-        kvs = self.draft.model.context_kv(rows.taps, rows.positions,
+        kvs = self.draft.model.context_kv(rows.taps, rows.batch.positions,
                                           lambda layer: (pool.draft_k[layer], pool.draft_v[layer], slots))
         for layer, (k, v) in enumerate(kvs):
             if k is not None and v is not None:  # None: the fused GPU prologue wrote them already

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.attention.backends import AttentionBackend
+from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import CacheShape, KVPool
 
 
@@ -32,10 +33,11 @@ class StepModels:
 
 @dataclass
 class CommittedRows:
-    """Rows of a target forward, with the slots of those whose tokens were committed (-1: rejected or padding)."""
+    """The rows of a verify forward, with the slots of those whose tokens were committed (-1: rejected or padding).
+    A proposer with its own cache writes the committed rows' entries at those slots."""
 
     token_ids: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64
+    batch: PagedBatch  # the verify forward's attention metadata (positions [N], query_start, kv_lens, block_tables)
     slots: torch.Tensor  # [N] int64, -1 where the row is not committed
     taps: torch.Tensor | None  # [N, len(tap_layers) * H] the target's tapped residual streams (None: no taps asked)
 
