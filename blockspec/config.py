@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockspec.errors import ConfigError
 from blockspec.models.config import ModelConfig
@@ -11,23 +11,31 @@ from blockspec.models.dflash_config import DFlashConfig
 
 @dataclass
 class SpeculativeConfig:
-    draft_model: str  # HF directory or hub id of a DFlash draft checkpoint
+    draft_model: str = field(metadata={
+        "flag": "--draft", "help": "DFlash draft checkpoint (directory or hub id): speculative decoding"})
     method: str = "dflash"
-    num_draft_tokens: int | None = None  # K; None -> block_size - 1
+    num_draft_tokens: int | None = field(default=None, metadata={
+        "help": "K drafts per block (default: block_size - 1)"})
     mask_token_id: int | None = None  # None -> the draft's dflash_config, then top level
     target_layer_ids: list[int] | None = None  # None -> the draft's dflash_config, then top level
-    probabilistic_drafting: bool = False  # sample drafts from q and use p/q rejection (default: argmax, one-hot q)
+    probabilistic_drafting: bool = field(default=False, metadata={
+        "help": "sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)"})
     # draft every block with the drafter's trained block size and verify the first K drafts: with K + 1 below the
     # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step
-    full_block_drafting: bool = False
+    full_block_drafting: bool = field(default=False, metadata={
+        "help": "draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 is below "
+                "the block size and drafting is cheap next to verifying)"})
     # CPU only: run the drafter, and its pass over the target's lm_head, in bf16 on weights packed once for oneDNN
     # (blockspec/layers/cpu_packed.py). The target still verifies every draft in its own dtype: outputs are those of
     # plain decoding; only the drafts (acceptance) may differ.
-    cpu_bf16_draft: bool = False
+    cpu_bf16_draft: bool = field(default=False, metadata={
+        "help": "CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); the "
+                "target still verifies every draft in its own dtype, so outputs do not change"})
     # argmax drafts over token ids < N only (a smaller draft head: BPE ids are roughly frequency-ordered, so the
     # first ids cover most output tokens). Lossless: the target still verifies; drafts of ids >= N are never made.
     # None: the whole vocabulary. Argmax drafting only.
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "metavar": "N", "help": "argmax drafts over token ids < N only (a smaller draft head; outputs do not change)"})
 
     def __post_init__(self) -> None:
         if self.method != "dflash":
@@ -114,13 +122,22 @@ def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConf
 
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 32  # most requests running at once (--max-batch-size)
-    max_num_batched_tokens: int = 1024  # rows per target forward: prefill chunk tokens + verify rows
-    block_size: int = 16  # tokens per KV page (target and draft context share pages)
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-length requests, capped by kv_cache_tokens
-    kv_cache_tokens: int = 16384  # pool size in tokens when num_kv_blocks is None (capped by max_num_seqs x max_model_len)
-    max_model_len: int | None = None  # None: the target's max_position_embeddings
-    enable_prefix_caching: bool = True
+    # generate and bench call it --max-batch-size
+    max_num_seqs: int = field(default=32, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(default=1024, metadata={
+        "help": "rows per target forward: prefill chunk tokens + verify rows"})
+    # target and draft context share pages
+    block_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    # None: enough for max_num_seqs full-length requests, capped by kv_cache_tokens
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "KV pool size in blocks (default: from --kv-cache-tokens)"})
+    # capped by max_num_seqs x max_model_len
+    kv_cache_tokens: int = field(default=16384, metadata={
+        "help": "KV pool size in tokens when --num-kv-blocks is not given"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length (default: the model's max_position_embeddings)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"flag": "--no-prefix-caching",
+                                                                "help": "disable the prefix cache"})
     # Offline throughput: while requests are decoding, admit waiting ones only when this many (or all that wait) fit.
     # A step that prefills runs the varlen path, not the decode step's CUDA graph, so admitting one request per step
     # as others finish would keep a full batch off the graph almost every step. 1: admit at once (serving).
@@ -131,10 +148,15 @@ class EngineConfig:
     # 1.09x at draft-data's shape (docs/perf.md), which turns it on; serving leaves it off until measured at small
     # batches. On CPU every forward reads all the weights, so one combined pass stays cheaper there.
     split_mixed_steps: bool = False
-    draft_len_schedule: dict[int, int] | None = None  # batch size -> K, e.g. {1: 15, 16: 7, 64: 3}
-    attention_backend: str = "auto"  # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
-    enforce_eager: bool = False  # True: never capture CUDA graphs (the decode step runs the same code uncaptured)
-    tensor_parallel_size: int = 1  # ranks the target and drafter are split over (blockspec/distributed)
+    draft_len_schedule: dict[int, int] | None = field(default=None, metadata={
+        "metavar": "B:K,...",
+        "help": "draft length by batch size, e.g. 1:15,16:7,64:3 (K of the largest B <= the running batch)"})
+    # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
+    attention_backend: str = field(default="auto", metadata={"help": "torch | triton | auto (triton on CUDA)"})
+    # True: the decode step runs the same code uncaptured
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (same results, slower)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "split the target and drafter over N processes (GPUs: NCCL, one per rank; CPU: gloo)"})
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_tokens", "tensor_parallel_size",

@@ -122,7 +122,7 @@ def test_eval_draft_table(pair_dirs, tmp_path, capsys):
 
 
 def test_divergences_name_each_differing_prompt():
-    from blockspec.evaluation.cli import _differing
+    from blockspec.cli.evaluate import _differing
     from blockspec.evaluation.eval_draft import divergences
 
     spec, plain = [[1, 2, 3], [4, 5, 6], [7, 8], [9]], [[1, 2, 3], [4, 0, 6], [7, 8, 2], [9]]
@@ -132,7 +132,7 @@ def test_divergences_name_each_differing_prompt():
 
 
 def test_rounding_hint_only_for_differing_gpu_runs_without_batch_invariance():
-    from blockspec.evaluation.cli import _rounding_hint
+    from blockspec.cli.evaluate import _rounding_hint
 
     hint = "\n  (verify rows and plain decode rows round differently here; --batch-invariant makes them equal)"
     assert _rounding_hint({"outputs_identical": False, "device": "cuda", "batch_invariant": False}) == hint
@@ -203,6 +203,6 @@ def test_eval_draft_cpu_bf16_draft_and_draft_vocab(pair_dirs, tmp_path, capsys, 
 
 
 def _table_header(report: dict) -> str:
-    from blockspec.evaluation.cli import _table
+    from blockspec.cli.evaluate import _table
 
     return _table(report).splitlines()[0]

@@ -261,7 +261,7 @@ def test_text_prompt_without_tokenizer(capsys, dirs, tmp_path):
 
 
 # The file's lines are valid JSON with the right keys, but the ids do not fit the model. The error comes from the
-# engine's check_prompt (blockspec/batch_cli.py run_prompts_file -> LLM.generate -> LLMEngine.add_request), so it
+# engine's check_prompt (blockspec/cli/generate.py _run_prompts_file -> LLM.generate -> LLMEngine.add_request), so it
 # exits 2 with one line, but the message does not say which file or line holds the bad prompt.
 @pytest.mark.parametrize("bad", [
     {"prompt_ids": [1, 2, 999]},  # outside the vocabulary

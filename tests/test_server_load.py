@@ -237,7 +237,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new(pair):
                                                        temperature=0, stream=True) for i in range(3)]
             firsts = [await s.__anext__() for s in streams]  # all three are generating
             assert all(f.choices for f in firsts)
-            loop.begin_shutdown()  # what SIGINT/SIGTERM does first (serve_cli's handle_exit)
+            loop.begin_shutdown()  # what SIGINT/SIGTERM does first (cli/serve.py's handle_exit)
             with pytest.raises(openai.APIStatusError) as refused:
                 await client.completions.create(model="tiny", prompt="late", max_tokens=2)
             assert refused.value.status_code == 503

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockspec.errors import ConfigError
@@ -15,40 +15,69 @@ TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_rati
 
 @dataclass
 class TrainConfig:
-    num_anchors: int = 512  # anchor blocks per sequence (at most)
-    epochs: int = 6
-    lr: float = 6e-4
+    num_anchors: int = field(default=512, metadata={"help": "anchor blocks per sequence (at most)"})
+    epochs: int = field(default=6, metadata={"help": "passes over the training data"})
+    lr: float = field(default=6e-4, metadata={"help": "peak learning rate"})
     # Mild decoupled decay on weight matrices only: the drafter sees a few million tokens for several epochs, and
     # norm gains (multiplicative scales starting at 1) must not be pulled towards 0.
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    batch_anchors: int = 4096  # anchor blocks per micro-batch (B rows each): the unit of draft compute
-    batch_tokens: int | None = None  # target tokens per micro-batch; None: sized from the data's tokens per anchor
-    max_seq_len: int = 3072  # longer sequences are cut to their first max_seq_len tokens
-    seed: int = 0
-    loss_gamma: float | None = None  # None: the paper's value for the block size (anchors.default_gamma)
-    max_steps: int | None = None  # stop after this many optimizer steps (the schedule still spans every epoch)
+    weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay of the weight matrices"})
+    warmup_ratio: float = field(default=0.04, metadata={"help": "share of the steps the learning rate warms up"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    # B rows each: the unit of draft compute
+    batch_anchors: int = field(default=4096, metadata={"help": "anchor blocks per micro-batch"})
+    batch_tokens: int | None = field(default=None, metadata={
+        "help": "target tokens per micro-batch (default: from the data's tokens per anchor)"})
+    max_seq_len: int = field(default=3072, metadata={
+        "help": "longer sequences are cut to their first MAX_SEQ_LEN tokens"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the initialization, the batch order and the generated data"})
+    # None: the paper's value for the block size (anchors.default_gamma)
+    loss_gamma: float | None = field(default=None, metadata={
+        "help": "slot weight decay (default 7/5/4 for B 16/10/8)"})
+    max_steps: int | None = field(default=None, metadata={
+        "help": "stop after N optimizer steps (resumable; the LR schedule still spans all epochs)"})
     # stop (checkpoint + export, as at the end) at the first step after this many minutes of train(): for jobs with
     # a wall-clock limit; --resume continues the same schedule
-    time_limit_min: float | None = None
-    save_every: int = 500  # optimizer steps between checkpoints (and at the end)
-    eval_every: int = 1000  # optimizer steps between tau evaluations (0: only at the end)
-    eval_max_tokens: int = 256
+    time_limit_min: float | None = field(default=None, metadata={
+        "flag": "--time-limit", "metavar": "MIN",
+        "help": "stop after MIN minutes of training (checkpoint and export as at the end; --resume continues): for "
+                "jobs with a wall-clock limit"})
+    save_every: int = field(default=500, metadata={"help": "optimizer steps between checkpoints (and one at the end)"})
+    eval_every: int = field(default=1000, metadata={
+        "help": "optimizer steps between evaluations (0: at the end)"})
+    eval_max_tokens: int = field(default=256, metadata={"help": "new tokens per evaluation prompt"})
     log_every: int = 10  # optimizer steps per line of train_log.jsonl
-    attention: str = "auto"  # flex | sdpa | auto (flex on CUDA, sdpa on CPU)
-    val_fraction: float = 0.0  # sequences held out of training, scored at every evaluation (train/validate.py)
-    walk_weight: float = 0.0  # extra loss weight of the blocks a verification walk visits (train/walk.py); 0: off
+    attention: str = field(default="auto", metadata={
+        "choices": ["auto", "flex", "sdpa"], "help": "flex (CUDA default) or exact per-sequence SDPA (CPU default)"})
+    # scored by train/validate.py
+    val_fraction: float = field(default=0.0, metadata={
+        "help": "training sequences held out and scored at every evaluation: loss, per-slot accuracy and block "
+                "acceptance length next to the training windows' (shows overfitting); e.g. 0.02"})
+    # the walk: train/walk.py
+    walk_weight: float = field(default=0.0, metadata={
+        "help": "extra loss weight of the blocks the verification walk visits (where the engine's blocks start, "
+                "right after a wrong draft); 0: off (the bundled drafter's last stages used 2, then 4)"})
     # labels mixed with the target's own next-token distribution: (1 - w) onehot + w p_target (train/loss.py); 0: off
-    distill_weight: float = 0.0
+    distill_weight: float = field(default=0.0, metadata={
+        "metavar": "W", "help": "mix the target's own next-token distribution into the labels: (1 - W) onehot + "
+                                 "W p_target (0: hard labels, the paper's loss; experimental)"})
     # a slot's loss x (1 - p) unless the drafter hit every earlier slot of its block, where verification would reach
     # it (train/forward.py); 0: off
-    prefix_weight: float = 0.0
+    prefix_weight: float = field(default=0.0, metadata={
+        "metavar": "P", "help": "scale a slot's loss by 1 - P where the drafter missed an earlier slot of its "
+                                 "block (verification never reaches it there); 0: off, 1: only reachable slots "
+                                 "train (experimental)"})
     # extra loss weight of the blocks anchored in a response's first opening_tokens tokens (train/forward.py); 0: off
-    opening_weight: float = 0.0
-    opening_tokens: int = 64
-    compile_draft: bool = False  # CUDA: the draft layers under torch.compile (train/compiled_draft.py); experimental
+    opening_weight: float = field(default=0.0, metadata={
+        "metavar": "W", "help": "extra loss weight of the blocks anchored in a response's first --opening-tokens "
+                                 "tokens, where acceptance is lowest; 0: off (experimental)"})
+    opening_tokens: int = field(default=64, metadata={
+        "metavar": "N", "help": "what --opening-weight counts as a response's opening (default 64)"})
+    # how: train/compiled_draft.py
+    compile_draft: bool = field(default=False, metadata={
+        "help": "CUDA: run the draft layers under torch.compile, fusing their element-wise work over the block rows "
+                "(experimental: docs/training.md)"})
 
     def __post_init__(self) -> None:
         positive = ("num_anchors", "epochs", "grad_accum", "batch_anchors", "max_seq_len", "save_every",

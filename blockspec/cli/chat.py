@@ -7,19 +7,16 @@ import argparse
 import sys
 import time
 
+from blockspec.cli.flags import add_llm_args, add_max_tokens, add_sampling_args, build_llm, sampling_params
+
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from blockspec.server.engine_args import add_engine_args
-
-    add_engine_args(p)
+    add_llm_args(p)
     p.add_argument("--system", default=None, help="system message that opens every conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_max_tokens(p, 512, "most tokens per reply")
+    add_sampling_args(p)
 
 
 def _reply(llm, prompt_ids: list[int], params) -> tuple[str, object, float]:
@@ -55,12 +52,10 @@ def _status(final, seconds: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from blockspec.errors import BlockspecError
-    from blockspec.sampling import SamplingParams
-    from blockspec.server.engine_args import build_llm
 
     if args.max_tokens < 1:
         raise BlockspecError(f"--max-tokens={args.max_tokens} must be >= 1")
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)  # validate
+    sampling_params(args)  # bad values fail before the model loads
     llm = build_llm(args)
     tok = llm.tokenizer
     if tok is None or not tok.has_chat_template:
@@ -90,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"the conversation has {len(ids)} tokens and the context is {llm.engine.max_model_len}: "
                   f"/reset to start over", file=sys.stderr)
             continue
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                max_tokens=min(args.max_tokens, room))
+        params = sampling_params(args, max_tokens=min(args.max_tokens, room))
         text, final, seconds = _reply(llm, ids, params)
         history.append({"role": "assistant", "content": text})
         print(file=sys.stdout, flush=True)

@@ -5,32 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
+                                 add_speculative_args, add_speed_args, speculative_config)
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
+    add_model_arg(p, "--target")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                    help="JSONL, JSON array / ShareGPT (may be truncated), .txt (one per line), or .py files / "
                         "directories of them (code prompts)")
     p.add_argument("--out", required=True, help="output directory (manifest.json + shard-*.safetensors)")
-    p.add_argument("--max-tokens", type=int, default=1024, help="longest response generated per prompt")
+    add_max_tokens(p, 1024, "longest response generated per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip prompts longer than this (templated)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts read")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
-    p.add_argument("--max-batch-size", type=int, default=None, help="requests generated together (default: 256 on "
-                                                                      "CUDA, 8 on CPU)")
+    add_sampling_args(p, top_k_p=False, seed=0, seed_help="sampling seed of prompt i is seed + i")
+    add_max_batch_size(p, None, "requests generated together (default: 256 on CUDA, 8 on CPU)")
     p.add_argument("--first-turn-only", action="store_true", help="only the first user turn of each conversation")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--draft", default=None, metavar="SRC",
-                   help="generate with speculative decoding using this DFlash drafter of the target (greedy only; "
-                        "same data, less time)")
-    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
-                   help="drafts verified per step with --draft (default: the drafter's block size - 1)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="GPU: with --draft, responses equal plain decoding's token for token in bf16 too "
-                        "(docs/ARCHITECTURE.md, batch invariance)")
+    add_speculative_args(p, ["draft_model", "num_draft_tokens"], draft_model={
+        "metavar": "SRC", "help": "generate with speculative decoding using this DFlash drafter of the target (greedy "
+                                  "only; same data, less time)"})
+    add_device_args(p)
+    add_speed_args(p, cpu_packed=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,8 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise BlockspecError(f"--limit must be >= 1, got {args.limit}")
-    if args.num_draft_tokens is not None and args.draft is None:
-        raise BlockspecError("--num-draft-tokens needs --draft")
+    spec = speculative_config(args)
     found = read_prompts(args.prompts, first_turn_only=args.first_turn_only)
     for f in found.files:
         print(f"{f.path}: {f.num_records} records, {len(f.prompts)} prompts", file=sys.stderr)
@@ -51,16 +46,15 @@ def run(args: argparse.Namespace) -> int:
     prompts = found.prompts[: args.limit]
     lm = load_model(args.target, device=args.device, dtype=args.dtype, batch_invariant=args.batch_invariant)
     draft = None
-    if args.draft is not None:
-        from blockspec.config import SpeculativeConfig
+    if spec is not None:
         from blockspec.loading.draft_loader import load_draft
 
-        draft = load_draft(SpeculativeConfig(draft_model=args.draft, num_draft_tokens=args.num_draft_tokens), lm)
+        draft = load_draft(spec, lm)
     manifest = build_dataset(
         lm, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_batch_size,
+        chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_num_seqs,
         meta={"prompt_files": found.summary(), "first_turn_only": args.first_turn_only, "limit": args.limit,
-              "draft": args.draft},
+              "draft": args.draft_model},
         draft=draft,
     )
     m = manifest.meta

@@ -6,13 +6,13 @@ import argparse
 import os
 import sys
 
+from blockspec.cli.flags import add_llm_args, build_llm, model_source
+
 API_KEY_ENV = "BLOCKSPEC_API_KEY"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from blockspec.server.engine_args import add_engine_args
-
-    add_engine_args(p)
+    add_llm_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--served-model-name", default=None,
@@ -30,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
 
     from blockspec.errors import BlockspecError
     from blockspec.server.app import build_app
-    from blockspec.server.engine_args import build_llm, model_source
 
     try:  # bind before loading the model: a busy port fails in a second, not after a minute of loading
         sock = socket.create_server((args.host, args.port))

@@ -7,29 +7,23 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
+                                 add_speculative_args, add_speed_args, speculative_config)
 from blockspec.data.eval_prompts import EVAL_SETS
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None,
-                   help="DFlash drafter (default with the bundled target: the bundled drafter)")
+    add_model_arg(p)
+    add_speculative_args(p, skip=["probabilistic_drafting"], draft_model={
+        "help": "DFlash drafter (default with the bundled target: the bundled drafter)"})
     p.add_argument("--dataset", required=True, choices=EVAL_SETS)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs then must equal no-spec)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (temperature > 0)")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per block (default: block_size - 1)")
-    p.add_argument("--full-block-drafting", action="store_true",
-                   help="draft the trained block size and verify the first K drafts (pays at small K)")
-    from blockspec.cli import add_speed_args
-
+    add_max_tokens(p, 256, "new tokens per prompt")
+    add_sampling_args(p, top_k_p=False, seed=0, seed_help="sampling seed of prompt i is seed + i (temperature > 0)")
     add_speed_args(p)
-    p.add_argument("--max-batch-size", type=int, default=None,
-                   help="requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
+    add_max_batch_size(p, None, "requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_device_args(p)
     p.add_argument("--out-dir", default="eval-draft", help="where the PNG and the JSON report go")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (the last stdout line)")
 
@@ -79,7 +73,6 @@ def _table(r: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockspec.config import SpeculativeConfig
     from blockspec.data.builder import encode_prompts
     from blockspec.data.eval_prompts import load_eval_prompts
     from blockspec.errors import BlockspecError
@@ -90,27 +83,24 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.loading.loader import load_model
     from blockspec.sampling import SamplingParams
 
-    if args.max_batch_size is not None and args.max_batch_size < 1:
-        raise BlockspecError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-    if args.draft is None and args.model is not None:
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise BlockspecError(f"--max-batch-size must be >= 1, got {args.max_num_seqs}")
+    if args.draft_model is None and args.model is not None:
         raise BlockspecError("--model needs --draft (the bundled drafter is for the bundled target only)")
-    draft_src = args.draft or str(bundled_draft_path())
+    spec = speculative_config(args, draft=args.draft_model or str(bundled_draft_path()))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     texts = load_eval_prompts(args.dataset, args.limit)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
                     batch_invariant=args.batch_invariant)
-    draft = load_draft(SpeculativeConfig(draft_model=draft_src, num_draft_tokens=args.num_draft_tokens,
-                                         full_block_drafting=args.full_block_drafting,
-                                         cpu_bf16_draft=args.cpu_bf16_draft,
-                                         draft_vocab_size=args.draft_vocab_size), lm)
+    draft = load_draft(spec, lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
-    batch = args.max_batch_size or (8 if on_gpu else 1)
+    batch = args.max_num_seqs or (8 if on_gpu else 1)
     report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=batch)
     out_dir = Path(args.out_dir)
     png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
-                               f"{args.dataset}: {Path(draft_src).name} on {lm.source.name}")
-    result = {**asdict(report), "model": lm.source.name, "draft": draft_src, "max_tokens": args.max_tokens,
+                               f"{args.dataset}: {Path(spec.draft_model).name} on {lm.source.name}")
+    result = {**asdict(report), "model": lm.source.name, "draft": spec.draft_model, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
               "full_block_drafting": args.full_block_drafting, "cpu_bf16_draft": args.cpu_bf16_draft,
               "cpu_packed": args.cpu_packed, "batch_invariant": args.batch_invariant,

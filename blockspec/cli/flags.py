@@ -1,0 +1,146 @@
+"""The flag groups the commands share, each flag declared once: the model source, where it runs (--device, --dtype),
+sampling, the target's speed options, and the speculative and engine groups, drawn from the fields of
+SpeculativeConfig and EngineConfig (config_flags.py). Each group has one function from the parsed flags back to what
+it configures, and build_llm puts them together."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any, Iterable
+
+from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.errors import BlockspecError
+
+if TYPE_CHECKING:
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+
+
+def add_model_arg(p: argparse.ArgumentParser, flag: str = "--model", positional: bool = False) -> None:
+    """The target: --model (--target for the commands that build or train a drafter for it); `positional`: it may
+    also be the first argument (serve, chat)."""
+    if positional:
+        p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=f"same as {flag}")
+    p.add_argument(flag, default=None,
+                   help="HF directory, .gguf file or hub id of the target (default: bundled SmolLM2-135M-Instruct)")
+
+
+def model_source(args: argparse.Namespace) -> str | None:
+    """--model, or the positional MODEL of the commands that take one; both, and different, is an error."""
+    pos = getattr(args, "model_pos", None)
+    if pos is not None and args.model is not None and pos != args.model:
+        raise BlockspecError(f"two models given: {pos!r} and --model {args.model!r}; pass one")
+    return args.model if args.model is not None else pos
+
+
+def add_device_args(p: argparse.ArgumentParser, device: str | None = None, dtype: bool = True,
+                    dtype_help: str | None = None) -> None:
+    """--device (default `device`, else cuda when available) and, unless `dtype` is False, --dtype."""
+    p.add_argument("--device", default=device, help=f"cpu | cuda (default: {device or 'cuda when available'})")
+    if dtype:
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help=dtype_help)
+
+
+def add_max_tokens(p: argparse.ArgumentParser, default: int, help: str | None = None) -> None:
+    p.add_argument("--max-tokens", type=int, default=default, help=help)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, top_k_p: bool = True, seed: int | None = None,
+                      seed_help: str | None = None) -> None:
+    """--temperature, --seed and (unless `top_k_p` is False) --top-k, --top-p."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    if top_k_p:
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=seed, help=seed_help)
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
+    """The SamplingParams of the sampling flags and --max-tokens (or `max_tokens`); raises for bad values."""
+    from blockspec.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_tokens=args.max_tokens if max_tokens is None else max_tokens)
+
+
+def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True) -> None:
+    """The target's speed options (outputs unchanged): --cpu-packed (unless `cpu_packed` is False) and
+    --batch-invariant. The drafter's (--cpu-bf16-draft, --draft-vocab-size) are speculative flags."""
+    if cpu_packed:
+        p.add_argument("--cpu-packed", action="store_true",
+                       help="CPU: pack the target's (and the drafter's) linears once for oneDNN, in their own dtype "
+                            "(plain and verify steps read the weights faster; a verify step of K + 1 rows costs about "
+                            "a 1-row one)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU: the target's GEMMs and attention computed the same way whatever the batch, so greedy "
+                        "speculative output equals plain decoding token for token in bf16 too (slower GEMMs)")
+
+
+def add_speculative_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),
+                         **overrides: dict[str, Any]) -> None:
+    """The SpeculativeConfig flags (--draft, --num-draft-tokens, ...): every one, or `names`, less `skip`."""
+    add_config_flags(p, SpeculativeConfig, names, skip, **overrides)
+
+
+def speculative_config(args: argparse.Namespace, draft: str | None = None,
+                       report_flags: Iterable[str] = ()) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of the drafter (--draft, else `draft`) and of the speculative flags the command
+    registered. None without a drafter, where any speculative flag given, or any of `report_flags` (flags that report
+    on drafting, such as --trace), is an error that names it."""
+    given = flags_given(args, SpeculativeConfig)
+    source = given.pop("draft_model", draft)
+    if source is not None:
+        return SpeculativeConfig(draft_model=source, **given)
+    names = [flag_name(f) for f in flag_fields(SpeculativeConfig) if f.name in given]
+    names += ["--" + r.replace("_", "-") for r in report_flags if getattr(args, r)]
+    if names:
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        raise BlockspecError(f"{listed} need{'s' if len(names) == 1 else ''} --draft")
+    return None
+
+
+def add_engine_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),
+                    **overrides: dict[str, Any]) -> None:
+    """The EngineConfig flags (--max-num-seqs, --block-size, ...): every one, or `names`, less `skip`."""
+    add_config_flags(p, EngineConfig, names, skip, **overrides)
+
+
+def add_max_batch_size(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """EngineConfig.max_num_seqs as --max-batch-size, the name the offline commands give it."""
+    add_engine_args(p, ["max_num_seqs"], max_num_seqs={"flag": "--max-batch-size", "default": default, "help": help})
+
+
+def engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the engine flags set, as keyword arguments (LLM, LLM.from_loaded, EngineConfig); the
+    fields not set keep EngineConfig's defaults."""
+    given = flags_given(args, EngineConfig)
+    if "draft_len_schedule" in given:
+        given["draft_len_schedule"] = parse_schedule(given["draft_len_schedule"])
+    return given
+
+
+def parse_schedule(text: str) -> dict[int, int]:
+    """"1:15,16:7" -> {1: 15, 16: 7}; the values are checked by EngineConfig."""
+    try:
+        return {int(b): int(k) for b, k in (item.split(":") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise BlockspecError(f"--draft-len-schedule {text!r}: expected batch:K pairs separated by commas, e.g. "
+                             f"1:15,16:7,64:3") from None
+
+
+def add_llm_args(p: argparse.ArgumentParser) -> None:
+    """The model (also as the first argument), drafter and engine flags of serve and chat: what build_llm reads."""
+    add_model_arg(p, positional=True)
+    add_speculative_args(p)
+    add_speed_args(p)
+    add_device_args(p)
+    add_engine_args(p, skip=["tensor_parallel_size"])  # the server runs on one device
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags."""
+    from blockspec.llm import LLM
+
+    return LLM(model_source(args), speculative_config(args), device=args.device, dtype=args.dtype,
+               cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant, **engine_config(args))

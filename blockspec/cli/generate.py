@@ -1,0 +1,182 @@
+"""`blockspec generate`: one prompt (--prompt, --prompt-ids) streamed through the engine, or many (--prompts-file)
+through the batched engine, one JSON line each, in order; --tensor-parallel-size N serves one prompt from N ranks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
+                                 add_sampling_args, add_speculative_args, add_speed_args, build_llm, engine_config,
+                                 sampling_params, speculative_config)
+from blockspec.data.prompts_file import read_prompts_file
+from blockspec.engine.outputs import RequestOutput
+from blockspec.engine.sequence import check_prompt
+from blockspec.errors import BlockspecError
+from blockspec.llm import LLM
+from blockspec.loading.detokenizer import IncrementalDecoder
+from blockspec.loading.draft_loader import LoadedDraft, load_draft
+from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.sampling import SamplingParams
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompts-file",
+                     help="many prompts: text (one per line) or JSONL with prompt/prompt_ids[/max_tokens]")
+    add_max_batch_size(p, 32, "most requests decoded together (--prompts-file)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    add_max_tokens(p, 128)
+    add_sampling_args(p)
+    add_device_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    add_speculative_args(p)
+    add_speed_args(p)
+    p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
+    add_engine_args(p, ["enforce_eager", "tensor_parallel_size"])
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    spec = speculative_config(args, report_flags=["trace"])
+    if args.tensor_parallel_size > 1:
+        return _run_tensor_parallel(args, params)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
+                    batch_invariant=args.batch_invariant)
+    draft = load_draft(spec, lm) if spec is not None else None
+    if args.prompts_file is not None:
+        return _run_prompts_file(args, lm, draft, params)
+    tok = lm.tokenizer
+    prompt_ids = _prompt(args, tok, lm.source.name)
+    # one request through the batched engine (the same step, and on CUDA the same graphs, as every other path), with
+    # a KV pool just large enough for it
+    K = draft.spec.num_draft_tokens if draft is not None else 0
+    cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=1, num_kv_blocks=max(2, -(-cap // 16) + 1),
+                          enforce_eager=args.enforce_eager)
+    decoder = IncrementalDecoder(tok) if tok is not None and not args.json else None
+    t0 = time.perf_counter()
+    final = None
+    for final in llm.stream([prompt_ids], params):
+        if decoder is not None:
+            sys.stdout.write(decoder.push(final.new_token_ids))
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    result = _result(tok, prompt_ids, final, elapsed, draft is not None, args.trace)
+    _print_result(args, result, tok, streamed=decoder is not None)
+    return 0
+
+
+def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: LoadedDraft | None,
+                      params: SamplingParams) -> int:
+    tok = lm.tokenizer
+    prompts, per_params = [], []
+    for s in read_prompts_file(args.prompts_file):
+        if s.prompt is not None:
+            if tok is None:
+                raise BlockspecError(f"{args.prompts_file}:{s.line}: the prompt is text but the model has no "
+                                     f"tokenizer; use prompt_ids")
+            ids = _encode(tok, s.prompt, args.chat)
+        else:
+            ids = s.prompt_ids
+        try:
+            check_prompt(ids, lm.config.vocab_size, lm.config.max_position_embeddings)
+        except BlockspecError as e:
+            raise BlockspecError(f"{args.prompts_file}:{s.line}: {e}") from None
+        prompts.append(ids)
+        per_params.append(dataclasses.replace(params, max_tokens=s.max_tokens) if s.max_tokens else params)
+    llm = LLM.from_loaded(lm, draft, **engine_config(args))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, per_params, use_tqdm=not args.json)
+    elapsed = time.perf_counter() - t0
+    for ids, out in zip(prompts, outs):
+        # time_s is the batch's wall time: the requests ran together
+        record = _result(tok, ids, out, elapsed, draft is not None, args.trace)
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(f"--- prompt {len(ids)} tokens -> {len(out.token_ids)} tokens ({out.finish_reason})")
+            print(record["text"] if record["text"] is not None else " ".join(map(str, out.token_ids)))
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"[{len(outs)} requests, {total} tokens in {elapsed:.2f}s: {total / max(elapsed, 1e-9):.1f} tok/s]",
+          file=sys.stderr)
+    return 0
+
+
+def _run_tensor_parallel(args: argparse.Namespace, params: SamplingParams) -> int:
+    if args.prompts_file is not None or args.trace:
+        raise BlockspecError("--prompts-file and --trace are not supported with --tensor-parallel-size yet")
+    llm = build_llm(args)
+    try:
+        prompt = _prompt(args, llm.tokenizer, llm.lm.source.name)
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.close()
+    result = _result(llm.tokenizer, prompt, out, elapsed, args.draft_model is not None)
+    result["tensor_parallel_size"] = args.tensor_parallel_size
+    _print_result(args, result, llm.tokenizer, streamed=False)
+    return 0
+
+
+def _prompt(args: argparse.Namespace, tok, model_name: str) -> list[int]:
+    """The prompt token ids of --prompt-ids, or of --prompt (with --chat: in the chat template)."""
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise BlockspecError("--chat needs --prompt text, not --prompt-ids")
+        try:
+            return [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t != ""]
+        except ValueError:
+            raise BlockspecError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if tok is None:
+        raise BlockspecError(f"{model_name} has no tokenizer: pass --prompt-ids instead of --prompt")
+    return _encode(tok, args.prompt, args.chat)
+
+
+def _encode(tok, text: str, chat: bool) -> list[int]:
+    """The token ids of `text`; `chat`: as a user turn in the model's chat template."""
+    return tok.apply_chat_template([{"role": "user", "content": text}]) if chat else tok.encode(text)
+
+
+def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, speculative: bool,
+            trace: bool = False) -> dict:
+    """One request's `generate --json` object; `speculative`: with its acceptance lengths (`trace`: and steps)."""
+    tokens = out.token_ids
+    result = {
+        "text": tok.decode(tokens) if tok is not None else None,
+        "token_ids": tokens,
+        "num_prompt_tokens": len(prompt_ids),
+        "num_generated_tokens": len(tokens),
+        "finish_reason": out.finish_reason,
+        "time_s": round(elapsed, 4),
+        "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
+    }
+    if speculative:
+        result["acceptance_lengths"] = out.acceptance_lengths
+        result["mean_acceptance_length"] = out.mean_acceptance_length
+        if trace:
+            result["steps"] = [s.to_dict() for s in out.steps or []]
+    return result
+
+
+def _print_result(args: argparse.Namespace, result: dict, tok, streamed: bool) -> None:
+    """--json: the object on stdout. Else the text (unless it was streamed already) and a summary line on stderr."""
+    if args.json:
+        print(json.dumps(result))
+        return
+    if tok is None:
+        print(" ".join(map(str, result["token_ids"])), end="")
+    elif not streamed:
+        print(result["text"], end="")
+    tau = f", tau {result['mean_acceptance_length']:.2f}" if result.get("mean_acceptance_length") else ""
+    print(f"\n[{result['num_generated_tokens']} tokens, {result['tokens_per_second']} tok/s{tau}, "
+          f"finish: {result['finish_reason']}]", file=sys.stderr)
+    for step in result.get("steps") or []:
+        print(json.dumps(step), file=sys.stderr)

@@ -1,0 +1,28 @@
+"""`blockspec init-draft`: write a randomly initialized DFlash drafter (z-lab checkpoint format) for a target."""
+
+from __future__ import annotations
+
+import argparse
+
+from blockspec.cli.flags import add_model_arg
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p, "--target")
+    p.add_argument("--out", required=True, help="output directory (z-lab DFlash checkpoint format)")
+    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockspec.loading.source import resolve_source
+    from blockspec.models.config import ModelConfig
+    from blockspec.train.export import init_draft
+
+    src = resolve_source(args.target)
+    out = init_draft(ModelConfig.from_hf(src.config, str(src.path)), args.out, args.draft_layers, args.block_size,
+                     args.mask_token_id, args.seed)
+    print(f"wrote a randomly initialized DFlash drafter to {out}")
+    return 0
