@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.attention.torch_ref import attend, build_mask
+from blockspec.models.base import AttentionBase
 
 
 @dataclass
@@ -29,7 +30,7 @@ class DenseKVCache:
         return self.k.shape[1]
 
 
-class DenseCausalAttention:
+class DenseCausalAttention(AttentionBase):
     """Causal attention of new tokens at `positions` over everything cached at positions <= theirs."""
 
     def __init__(self, cache: DenseKVCache, positions: torch.Tensor, kv_len: int) -> None:

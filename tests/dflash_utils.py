@@ -46,31 +46,43 @@ def make_zlab_draft(target_cfg, path: Path, *, layers: int = 2, block_size: int 
 
 
 def check_fused_draft_prologue(model, device: str, dtype: torch.dtype, tol: float) -> None:
-    """fuse_qkv on `model` (mutated): the packed block projection + Triton prologue, and the context K/V (contiguous,
-    and written into a paged pool with slot -1 skipped), equal the unfused path within `tol` (relative)."""
+    """The drafter's fused prologue (its packed q|k|v in one GEMM + the Triton split/norm/rotary; the context K/V
+    contiguous, and written into a paged pool with slot -1 skipped) equals its reference path, which runs under
+    autograd (three GEMMs + torch norms and rotary), within `tol` (relative)."""
+    from blockspec.layers import triton_qkv
+
     attn = model.layers[0].self_attn
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(7, model.config.hidden_size, device=device, generator=g).to(dtype)
     cos, sin = model.rotary.cos_sin(torch.arange(3, 10, device=device), dtype)
     seen: list[tuple[torch.Tensor, ...]] = []
+    calls: list[int] = []  # q heads of each fused prologue call
 
     def capture(layer, q, k, v, scale, causal, window):
-        seen.append((q, k, v))
+        seen.append(tuple(t.detach() for t in (q, k, v)))
         return q
 
-    with torch.no_grad():
-        ref_kv, ref_out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
-        model.fuse_qkv()
-        assert attn.qkv_weight is not None
-        kv, out = attn.kv(x, cos, sin), attn(x, cos, sin, capture)
-        kc = torch.zeros(12, *kv[0].shape[1:], dtype=dtype, device=device)
-        vc = torch.zeros_like(kc)
-        slots = torch.tensor([4, -1, 0, 11, 7, 2, -1], device=device)
-        assert attn.kv(x, cos, sin, paged=(kc, vc, slots)) == (None, None)  # written into the pool instead
+    def kv(paged=None):
+        return attn.qkv_proj.kv(x, attn.k_norm, cos, sin, paged)
+
+    with torch.enable_grad():
+        ref_kv, ref_out = [t.detach() for t in kv()], attn(x, cos, sin, capture).detach()
+    spy = triton_qkv.split_qkv_norm_rope
+    triton_qkv.split_qkv_norm_rope = lambda qkv, heads, *a: calls.append(heads) or spy(qkv, heads, *a)
+    try:
+        with torch.no_grad():
+            got_kv, out = kv(), attn(x, cos, sin, capture)
+            kc = torch.zeros(12, *got_kv[0].shape[1:], dtype=dtype, device=device)
+            vc = torch.zeros_like(kc)
+            slots = torch.tensor([4, -1, 0, 11, 7, 2, -1], device=device)
+            assert kv(paged=(kc, vc, slots)) == (None, None)  # written into the pool instead
+    finally:
+        triton_qkv.split_qkv_norm_rope = spy
+    assert calls == [0, attn.qkv_proj.num_heads, 0]  # the fused path really ran: context k/v, block, paged k/v
     ok = slots >= 0
-    assert torch.equal(kc[slots[ok]], kv[0][ok]) and torch.equal(vc[slots[ok]], kv[1][ok])
+    assert torch.equal(kc[slots[ok]], got_kv[0][ok]) and torch.equal(vc[slots[ok]], got_kv[1][ok])
     assert (kc.abs().sum((1, 2)) > 0).sum() == int(ok.sum())  # nothing written for slot -1
-    for a, b in [*zip(ref_kv, kv), *zip(seen[0], seen[1]), (ref_out, out)]:
+    for a, b in [*zip(ref_kv, got_kv), *zip(seen[0], seen[1]), (ref_out, out)]:
         assert a.shape == b.shape and ((a.float() - b.float()).abs() <= tol * b.float().abs().clamp_min(1.0)).all()
 
 

@@ -23,7 +23,10 @@ from blockspec.layers.cpu_packed import PackedLinear
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import load_model
+from blockspec.loading.prepare import pack_draft
 from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.dflash_io import DraftHead, OwnHead
+from blockspec.models.qkv import PackedQKV
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from dflash_utils import cli_pair, make_zlab_draft, needs_bf16
@@ -35,7 +38,7 @@ from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair, with_k
 def packed(draft: LoadedDraft, lm) -> LoadedDraft:
     """A packed copy of `draft` (the shared models are left as they are)."""
     model = copy.deepcopy(draft.model)
-    model.pack_cpu(lm.model.lm_head, torch.bfloat16, draft.spec.draft_rows(draft.spec.num_draft_tokens))
+    pack_draft(model, lm.model.lm_head, torch.bfloat16, draft.spec.draft_rows(draft.spec.num_draft_tokens))
     return dataclasses.replace(draft, model=model)
 
 
@@ -67,13 +70,13 @@ def test_packed_drafter_matches_the_unpacked_one(bias, dtype):
     head = pair.lm.model.lm_head
     # the loader packs an fp32 drafter only over a packed fp32 target, whose head it then drafts through
     model_head = head if dtype == torch.bfloat16 else PackedLinear.from_linear(head, dtype, 16, keep_weight=True)
-    model.pack_cpu(model_head, dtype, 8, vocab=40)
+    pack_draft(model, model_head, dtype, 8, vocab=40)
     assert model.dtype == dtype and not any(type(m) is nn.Linear for m in model.modules())
-    for layer in model.layers:
-        assert layer.self_attn.q_proj is None and layer.self_attn.k_proj is None and layer.self_attn.v_proj is None
+    for layer in model.layers:  # the packed q|k|v keeps no parameters
+        assert type(layer.self_attn.qkv_proj) is PackedQKV and not list(layer.self_attn.qkv_proj.parameters())
     # per layer q|k|v, o_proj, gate_up, down; fc; all layers' context k|v; the whole head (bf16); the 40-row head
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * 2 + (4 if dtype == torch.bfloat16 else 3)
-    assert (model.draft_head is None) == (dtype == torch.float32)
+    assert (type(model.head) is DraftHead) == (dtype == torch.float32)
     g = torch.Generator().manual_seed(1)
     H = cfg.hidden_size
     taps, pos = torch.randn(9, 2 * H, generator=g), torch.arange(9)
@@ -137,8 +140,8 @@ def test_load_draft_packs_and_a_random_drafter_stays_lossless(tiny_pair):
     greedy tokens; the target is left in fp32."""
     lm, draft_dir = tiny_pair
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=3, cpu_bf16_draft=True), lm)
-    assert draft.model.dtype == torch.bfloat16 and draft.model.draft_head is not None
-    assert draft.model.greedy_head is None
+    assert draft.model.dtype == torch.bfloat16 and isinstance(draft.model.head, OwnHead)
+    assert draft.model.greedy_head is draft.model.head
     assert all(p.dtype == torch.float32 for p in lm.model.parameters())
     prompts = [[5, 9, 2, 77, 31], list(range(40, 90))]
     refs = [generate(lm, p, greedy(24)).token_ids for p in prompts]

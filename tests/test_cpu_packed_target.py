@@ -23,6 +23,7 @@ from blockspec.llm import LLM
 from blockspec.loading import draft_loader
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
+from blockspec.models.qkv import PackedContextKV
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from blockspec.train.export import save_draft
@@ -102,7 +103,8 @@ def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
                              draft_vocab_size=50 if drafter.endswith("vocab") else None)
     draft = load_draft(spec, lm)
     # the drafter of a packed target is packed too, in its own dtype (fp32 here unless --cpu-bf16-draft)
-    assert draft.model.ctx_kv_packed is not None and not any(type(m) is nn.Linear for m in draft.model.modules())
+    assert isinstance(draft.model.context_proj, PackedContextKV)
+    assert not any(type(m) is nn.Linear for m in draft.model.modules())
     assert draft.model.dtype == (torch.bfloat16 if spec.cpu_bf16_draft else torch.float32)
     out = spec_generate(lm, draft, prompts[0], greedy(40))
     assert out.token_ids == refs[0]
@@ -134,7 +136,7 @@ def test_cli_generate_and_bench_flags(tmp_path, capsys, monkeypatch):
     assert report["outputs_identical"] is True and report["config"]["cpu_packed"] is True
     assert isinstance(packed.pop().lm_head, PackedLinear) and not packed
     (draft,) = drafts
-    assert draft.spec.draft_rows(3) == 8 and draft.model.greedy_head.out_features == 64
+    assert draft.spec.draft_rows(3) == 8 and draft.model.greedy_head.proj.out_features == 64
     assert draft.model.dtype == (torch.bfloat16 if bf16_cpu else torch.float32)
     assert main(base + ["--cpu-packed", "--tensor-parallel-size", "2"]) == 2
     assert "cpu_packed=True is not supported with tensor_parallel_size > 1" in capsys.readouterr().err

@@ -12,6 +12,8 @@ from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
+from blockspec.train.export import hf_state_dict
+from safetensors.torch import load_file
 from oracles import spec_generate
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
@@ -75,22 +77,19 @@ def test_traces_match_reference(tmp_path, arch, variant, K):
     assert ours.acceptance_lengths[: len(full)] == ref_lens[: len(full)]
 
 
-def test_fuse_qkv_keeps_weights_and_names(tmp_path):
-    """fuse_qkv (run by the engine on GPU) packs q/k/v into one matrix whose row blocks ARE the checkpoint's
-    q_proj/k_proj/v_proj weights: same values, same state_dict names, no copy left behind."""
+def test_load_packs_qkv_and_export_restores_the_checkpoint_names(tmp_path):
+    """load_draft packs each layer's q_proj/k_proj/v_proj into one qkv_proj whose row blocks ARE the checkpoint's
+    tensors (the fused GPU prologue's single matrix: nothing is packed later), and the export writes back exactly the
+    checkpoint's names and values."""
     hf = make_hf_model("qwen3", seed=5)
     save_hf_model(hf, tmp_path / "t")
     make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
     lm = load_model(str(tmp_path / "t"), device="cpu", dtype="float32", with_tokenizer=False)
     model = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm).model
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.fuse_qkv()
-    model.fuse_qkv()  # idempotent
-    after = model.state_dict()
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    for layer in model.layers:
-        a = layer.self_attn
-        w = a.qkv_weight
-        assert w is not None and torch.equal(w, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight):
-            assert p.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    ckpt = load_file(str(tmp_path / "d" / "model.safetensors"))
+    for i, layer in enumerate(model.layers):
+        w = layer.self_attn.qkv_proj.weight
+        parts = [ckpt[f"layers.{i}.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+        assert w.is_contiguous() and torch.equal(w, torch.cat(parts))
+    exported = hf_state_dict(model)
+    assert exported.keys() == ckpt.keys() and all(torch.equal(exported[k], ckpt[k]) for k in ckpt)

@@ -19,6 +19,7 @@ from blockspec.errors import ConfigError
 from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.prepare import limit_draft_vocab, pack_draft
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from dflash_utils import make_zlab_draft, needs_bf16
@@ -32,9 +33,9 @@ def limited(draft: LoadedDraft, lm, n: int, head: str) -> LoadedDraft:
     """A copy of `draft` whose argmax drafts are over token ids < n (fp32 view of the head, or packed bf16)."""
     model = copy.deepcopy(draft.model)
     if head == "bf16":
-        model.pack_cpu(lm.model.lm_head, torch.bfloat16, 8, vocab=n)
+        pack_draft(model, lm.model.lm_head, torch.bfloat16, 8, vocab=n)
     else:
-        model.set_draft_vocab(lm.model.lm_head, n)
+        limit_draft_vocab(model, lm.model.lm_head, n)
     return dataclasses.replace(draft, model=model)
 
 
@@ -71,14 +72,14 @@ def test_greedy_drafts_stay_below_n(head, scaled):
     with torch.inference_mode():
         drafts = model.greedy_drafts(hidden, lm_head)
         full = model.compute_logits(hidden, lm_head)
-        small = model.greedy_head(hidden).float()
+        small = model.greedy_head(hidden, lm_head).float()
     assert full.shape == (32, VOCAB) and small.shape == (32, 20)
     if scaled:
         small = torch.tanh(small * -0.5 / 3.0) * 3.0
     assert drafts.max() < 20 and torch.equal(drafts, small.argmax(-1))
     assert not torch.equal(drafts, full.argmax(-1))  # the restriction did change some drafts here
     if head == "fp32":  # a view of the target's head rows, not a copy
-        assert model.greedy_head.weight.data_ptr() == lm_head.weight.data_ptr()
+        assert model.greedy_head.proj.weight.data_ptr() == lm_head.weight.data_ptr()
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -92,7 +93,7 @@ def test_greedy_drafts_take_the_first_maximum_on_ties(scaled):
         head.weight.copy_(torch.tensor([0.0, 1.0, 3.0, 3.0, 2.0, 3.0])[:, None].expand(6, H) / H)
     hidden = torch.ones(2, H)
     assert model.greedy_drafts(hidden, head).tolist() == [2, 2] == head(hidden).argmax(-1).tolist()
-    model.set_draft_vocab(head, 3)
+    limit_draft_vocab(model, head, 3)
     assert model.greedy_drafts(hidden, head).tolist() == [2, 2]
 
 

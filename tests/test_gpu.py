@@ -11,6 +11,7 @@ from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
+from blockspec.loading.prepare import limit_draft_vocab
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from dflash_utils import check_fused_draft_prologue, make_zlab_draft
@@ -142,7 +143,7 @@ def test_cuda_draft_vocab_graph_equals_eager_and_cpu():
 
     def limited(lm, d):
         model = copy.deepcopy(d.model)
-        model.set_draft_vocab(lm.model.lm_head, 30)
+        limit_draft_vocab(model, lm.model.lm_head, 30)
         return dataclasses.replace(d, model=model)
 
     pair = trained_pair()
@@ -157,7 +158,7 @@ def test_cuda_draft_vocab_graph_equals_eager_and_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_draft_prologue_matches_unfused(dtype):
-    """fuse_qkv: the drafter's block projection (one GEMM + Triton split/norm/rotary) and its context K/V give the
+    """The drafter's fused prologue (one GEMM + Triton split/norm/rotary) for its block and its context K/V gives the
     unfused path's q, k, v; the paged variant writes them into the pool."""
     from trained_pair import trained_pair
 

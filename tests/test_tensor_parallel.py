@@ -25,24 +25,17 @@ from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import load_model
 from blockspec.sampling import SamplingParams
+from blockspec.train.export import hf_state_dict
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 from trained_pair import CYCLE_A, CYCLE_B, trained_pair
 
 
 def save_draft(draft: LoadedDraft, config_dir: Path, out: Path) -> Path:
-    """Write an in-memory (trained) drafter in the z-lab checkpoint format: gate_up_proj unpacked to gate/up."""
+    """Write an in-memory (trained) drafter in the z-lab checkpoint format (packed projections unpacked)."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(config_dir / "config.json", out / "config.json")
-    tensors = {}
-    for name, p in draft.model.named_parameters():
-        if "gate_up_proj" in name:
-            gate, up = p.detach().chunk(2)
-            tensors[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-            tensors[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
-        else:
-            tensors[name] = p.detach().contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
+    save_file(hf_state_dict(draft.model), str(out / "model.safetensors"))
     return out
 
 

@@ -181,7 +181,7 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
     assert grown.config["num_hidden_layers"] == 3 and grown.config["layer_types"] == ["full_attention"] * 3
     for layer in grown.model.layers[1:]:
         assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
-        assert layer.self_attn.q_proj.weight.abs().sum() > 0
+        assert all(w.abs().sum() > 0 for w in layer.self_attn.qkv_proj.weight.split(layer.self_attn.qkv_proj.sizes))
     ids, taps = torch.tensor([5, MASK, MASK, MASK]), torch.randn(6, setup.model.fc.in_features)
     assert torch.equal(_block_logits(lm, setup.model, ids, taps), _block_logits(lm, grown.model, ids, taps))
     nested = tmp_path / "nested"  # a config that also keeps the layer count inside dflash_config, where it wins

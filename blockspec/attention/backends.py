@@ -13,19 +13,24 @@ from blockspec.attention import paged_ref
 from blockspec.attention.paged_ref import PagedBatch, PagedDraftAttention, PagedTargetAttention
 from blockspec.errors import ConfigError
 from blockspec.kv.pool import KVPool
+from blockspec.models.base import AttentionBase, PagedDest
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-class TritonTargetAttention:
-    batch_invariant = False  # the deterministic kernel mode (triton_paged.paged_attention(batch_invariant=True))
+class _TritonPaged:
+    """The Triton kernels over one forward's pool and batch."""
 
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
         from blockspec.attention import triton_paged
 
         self.ops, self.pool, self.batch = triton_paged, pool, batch
 
-    def kv_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+class TritonTargetAttention(_TritonPaged, AttentionBase):
+    batch_invariant = False  # the deterministic kernel mode (triton_paged.paged_attention(batch_invariant=True))
+
+    def kv_destination(self, layer: int) -> PagedDest:
         """Where this layer's new k/v rows go, for a model prologue that stores them itself (one launch less)."""
         return self.pool.k[layer], self.pool.v[layer], self.batch.slot_mapping
 
@@ -44,10 +49,10 @@ class InvariantTargetAttention(TritonTargetAttention):
     batch_invariant = True
 
 
-class TritonDraftAttention(TritonTargetAttention):
-    kv_destination = None  # type: ignore[assignment]  (the block's own k/v are never stored)
+class TritonDraftAttention(_TritonPaged):
+    """The block's own k/v are never stored: they join the cached context inside the kernel."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # type: ignore[override]
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  causal: bool, window: int | None) -> torch.Tensor:
         b = self.batch
         return self.ops.paged_attention(q, self.pool.draft_k[layer], self.pool.draft_v[layer], b.positions,

@@ -12,6 +12,7 @@ import torch
 
 from blockspec.attention.torch_ref import attend, build_mask
 from blockspec.kv.pool import KVPool
+from blockspec.models.base import AttentionBase
 
 
 @dataclass
@@ -46,7 +47,7 @@ def store(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torc
         cache_k[slots[keep]], cache_v[slots[keep]] = k[keep], v[keep]
 
 
-class PagedTargetAttention:
+class PagedTargetAttention(AttentionBase):
     """Causal attention of the batch's new tokens over each sequence's paged context (AttentionFn)."""
 
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:

@@ -1,7 +1,7 @@
 """Tensor-parallel building blocks. Each takes this rank's slice of a full (single-device) weight.
 
-- column-parallel: a plain nn.Linear holding some output rows (no communication: its output is split by heads or
-  by intermediate channels, and the next row-parallel layer consumes exactly that split);
+- column-parallel: a plain nn.Linear (or a drafter's LinearQKV) holding some output rows (no communication: its
+  output is split by heads or by intermediate channels, and the next row-parallel layer consumes exactly that split);
 - row-parallel: holds the matching input columns; the partial products are all-reduced, the bias added once after;
 - vocab-parallel embedding / lm_head: each rank holds ceil(V/N) vocabulary rows (the last shard zero-padded).
   The lm_head all-gathers its logit shards into the full [R, V] logits on every rank, so sampling, top-k/top-p and
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from blockspec.models.qkv import LinearQKV
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,16 @@ def column_linear(linear: nn.Linear, rows: list[tuple[int, int]]) -> nn.Linear:
     out.weight = _frozen(take_rows(linear.weight.data, rows))
     if linear.bias is not None:
         out.bias = _frozen(take_rows(linear.bias.data, rows))
+    return out
+
+
+def column_qkv(proj: LinearQKV, rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int) -> LinearQKV:
+    """The output rows `rows` of a packed q|k|v projection (this rank's heads) as a new LinearQKV."""
+    with torch.device("meta"):
+        out = LinearQKV(proj.in_features, num_heads, num_kv_heads, proj.head_dim, proj.bias is not None)
+    out.weight = _frozen(take_rows(proj.weight.data, rows))
+    if proj.bias is not None:
+        out.bias = _frozen(take_rows(proj.bias.data, rows))
     return out
 
 

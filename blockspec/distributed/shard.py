@@ -1,9 +1,10 @@
 """Turn a loaded single-device target (and DFlash drafter) into this rank's shard, in place.
 
-Modules are replaced, not rewritten: packed qkv_proj keeps this rank's [q_r | k_r | v_r] rows, gate_up_proj its
-[gate_r | up_r] rows, o_proj / down_proj become row-parallel (all-reduce), the embedding and lm_head vocab-parallel,
-and each attention module's head counts become this rank's. Hidden states, norms, the rotary tables and the
-drafter's fc (it reads the replicated taps) stay replicated, so the model code runs unchanged on every rank.
+Modules are replaced, not rewritten: a packed qkv_proj (target's and drafter's) keeps this rank's [q_r | k_r | v_r]
+rows, gate_up_proj its [gate_r | up_r] rows, o_proj / down_proj become row-parallel (all-reduce), the embedding and
+lm_head vocab-parallel, and each attention module's head counts become this rank's. Hidden states, norms, the rotary
+tables and the drafter's fc (it reads the replicated taps) stay replicated, so the model code runs unchanged on every
+rank.
 The returned LoadedModel / LoadedDraft carry this rank's view of the config (its head counts), which is what the
 engine sizes the KV pool shard from."""
 
@@ -13,8 +14,8 @@ import dataclasses
 
 from torch import nn
 
-from blockspec.distributed.layers import (ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, column_linear,
-                                          head_split, vocab_shard)
+from blockspec.distributed.layers import (HeadSplit, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                          column_linear, column_qkv, head_split, vocab_shard)
 from blockspec.distributed.parallel_state import TPGroup
 from blockspec.errors import ConfigError
 from blockspec.loading.draft_loader import LoadedDraft
@@ -23,6 +24,7 @@ from blockspec.models.dflash import DFlashAttention, DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.models.llama import MLP, Attention, LlamaForCausalLM
 from blockspec.models.config import ModelConfig
+from blockspec.models.qkv import LinearQKV
 
 
 def check_tp_size(n: int, cfg: ModelConfig | DFlashConfig, what: str) -> None:
@@ -45,23 +47,26 @@ def _shard_mlp(mlp: MLP, tp: TPGroup) -> None:
     mlp.down_proj = RowParallelLinear(mlp.down_proj, start, per, tp.group)  # type: ignore[assignment]
 
 
+def _qkv_rows(s: HeadSplit, D: int, q: int, kv: int) -> list[tuple[int, int]]:
+    """This rank's (start, count) rows of a packed [q | k | v] projection with q and kv rows per part."""
+    return [(s.q_start * D, s.q_count * D), (q + s.kv_start * D, s.kv_count * D),
+            (q + kv + s.kv_start * D, s.kv_count * D)]
+
+
 def _shard_target_attention(attn: Attention, tp: TPGroup) -> None:
     s, D = head_split(attn.num_heads, attn.num_kv_heads, tp.rank, tp.world_size), attn.head_dim
-    q, kv = attn.q_size, attn.kv_size
-    attn.qkv_proj = column_linear(attn.qkv_proj, [(s.q_start * D, s.q_count * D), (q + s.kv_start * D, s.kv_count * D),
-                                                  (q + kv + s.kv_start * D, s.kv_count * D)])
+    attn.qkv_proj = column_linear(attn.qkv_proj, _qkv_rows(s, D, attn.q_size, attn.kv_size))
     attn.o_proj = RowParallelLinear(attn.o_proj, s.q_start * D, s.q_count * D, tp.group)  # type: ignore[assignment]
     attn.num_heads, attn.num_kv_heads = s.q_count, s.kv_count
     attn.q_size, attn.kv_size = s.q_count * D, s.kv_count * D
 
 
 def _shard_draft_attention(attn: DFlashAttention, tp: TPGroup) -> None:
-    s, D = head_split(attn.num_heads, attn.num_kv_heads, tp.rank, tp.world_size), attn.head_dim
-    attn.q_proj = column_linear(attn.q_proj, [(s.q_start * D, s.q_count * D)])
-    attn.k_proj = column_linear(attn.k_proj, [(s.kv_start * D, s.kv_count * D)])
-    attn.v_proj = column_linear(attn.v_proj, [(s.kv_start * D, s.kv_count * D)])
+    p = attn.qkv_proj
+    assert isinstance(p, LinearQKV)  # LLM refuses the CPU-packed drafter with tensor parallelism
+    s, D = head_split(p.num_heads, p.num_kv_heads, tp.rank, tp.world_size), p.head_dim
+    attn.qkv_proj = column_qkv(p, _qkv_rows(s, D, *p.sizes[:2]), s.q_count, s.kv_count)
     attn.o_proj = RowParallelLinear(attn.o_proj, s.q_start * D, s.q_count * D, tp.group)  # type: ignore[assignment]
-    attn.num_heads, attn.num_kv_heads = s.q_count, s.kv_count
 
 
 def rank_config(cfg, tp: TPGroup):

@@ -1,4 +1,5 @@
-"""Load a DFlash draft checkpoint for a loaded target, validating it against the target before any weight is read."""
+"""Load a DFlash draft checkpoint for a loaded target, validating it against the target before any weight is read,
+and prepare it for the target's platform (loading/prepare.py): ready to run, on CUDA with its fused prologue."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from blockspec.config import ResolvedSpec, SpeculativeConfig, resolve_spec
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.loading.loader import LoadedModel
+from blockspec.loading.prepare import prepare_draft
 from blockspec.loading.source import resolve_source
 from blockspec.loading.weights import load_weights
 from blockspec.models.dflash import DFlashDraftModel
@@ -39,12 +41,10 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
         model = DFlashDraftModel(cfg, num_taps=len(resolved.target_layer_ids))
     model = model.to_empty(device=param.device).to(param.dtype)
     load_weights(model, source.tensors(), where, prefix="")
-    lm_head = target.model.lm_head
-    if spec.cpu_bf16_draft or target.cpu_packed:  # a packed target's drafter is packed too, in its dtype
-        model.pack_cpu(lm_head, torch.bfloat16 if spec.cpu_bf16_draft else param.dtype,
-                       resolved.draft_rows(resolved.num_draft_tokens), vocab=spec.draft_vocab_size)
-    elif spec.draft_vocab_size is not None:
-        model.set_draft_vocab(lm_head, spec.draft_vocab_size)
+    # a packed target's drafter is packed too, in its dtype; cpu_bf16_draft packs it in bf16
+    pack = torch.bfloat16 if spec.cpu_bf16_draft else param.dtype if target.cpu_packed else None
+    prepare_draft(model, target.model.lm_head, pack, resolved.draft_rows(resolved.num_draft_tokens),
+                  spec.draft_vocab_size)
     return LoadedDraft(model.eval(), cfg, resolved)
 
 

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import BlockspecError
-from blockspec.layers import cpu_packed as packed_linears
-from blockspec.layers import kernels
+from blockspec.loading.prepare import TargetOptions, prepare_target
 from blockspec.loading.source import ModelSource, resolve_source
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.loading.weights import load_weights
@@ -49,17 +48,6 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return parse_dtype(dtype)
 
 
-def _check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
-    if not packed_linears.fp32_supported(device):
-        where = (f"the model is on {device}" if device.type != "cpu"
-                 else "this torch build cannot pack linears for oneDNN (mkldnn)")
-        raise BlockspecError(f"cpu_packed=True (--cpu-packed) needs a CPU with oneDNN, but {where}")
-    bf16_ok = dtype == torch.bfloat16 and packed_linears.bf16_supported(device)
-    if dtype != torch.float32 and not bf16_ok:
-        raise BlockspecError(f"cpu_packed=True (--cpu-packed) packs fp32 weights (bf16 on CPUs with bf16 kernels), "
-                             f"not {dtype}")
-
-
 def _stop_ids(cfg: ModelConfig, gen: dict, tok: Tokenizer | None) -> list[int]:
     ids: list[int] = []
     g = gen.get("eos_token_id")
@@ -82,34 +70,18 @@ def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
 
 def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True,
                cpu_packed: bool = False, batch_invariant: bool = False) -> LoadedModel:
-    """cpu_packed: inference on the CPU with every linear packed once for oneDNN (layers/cpu_packed.py; faster plain
-    and verify steps, same dtype). The model can then no longer be trained or moved to another device.
-    batch_invariant: every linear behind the batch-invariant GEMM (layers/invariant_linear.py) and the engine's target
-    attention in its deterministic mode, so greedy speculative output equals plain decoding bit for bit in any dtype
-    (GPU; on CPU only under the Triton interpreter, for tests)."""
+    """cpu_packed / batch_invariant: the platform variants of the linears (loading/prepare.py, TargetOptions)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    if cpu_packed:
-        _check_cpu_packed(dev, dt)
-    if batch_invariant:
-        if cpu_packed:
-            raise BlockspecError("batch_invariant=True (--batch-invariant) and cpu_packed=True (--cpu-packed) exclude "
-                                 "each other")
-        if not kernels.fused_device(dev):
-            raise BlockspecError(f"batch_invariant=True (--batch-invariant) runs Triton kernels and needs a CUDA "
-                                 f"device, got {dev.type!r} (fp32 on CPU is the exactness reference instead)")
+    options = TargetOptions(cpu_packed, batch_invariant)
+    options.check(dev, dt)
     source = resolve_source(src)
     cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
     cfg = ModelConfig.from_hf(source.config, source=str(cfg_name))
     model = instantiate(cfg, dev, dt)
     load_weights(model, source.tensors(), str(source.path))
     model.eval()
-    if cpu_packed:
-        packed_linears.pack_target(model)
-    if batch_invariant:
-        from blockspec.layers.invariant_linear import make_batch_invariant  # imports triton
-
-        make_batch_invariant(model)
+    prepare_target(model, options)
     tok = source.load_tokenizer() if with_tokenizer else None
     return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, cpu_packed,
                        batch_invariant)

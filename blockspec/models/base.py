@@ -7,15 +7,26 @@ from typing import Protocol
 
 import torch
 
+PagedDest = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k_cache, v_cache [num_slots, Hkv, D], slot_mapping [N])
+
 
 class AttentionFn(Protocol):
-    """Stores this forward's k/v for `layer` and returns attention output. q [T, Hq, D], k/v [T, Hkv, D].
-
-    An attention over a paged pool may also offer `kv_destination(layer) -> (k_cache, v_cache, slot_mapping)`: a
-    model whose fused prologue writes k/v into those caches itself then passes k = v = None."""
+    """Stores this forward's k/v for `layer` and returns attention output. q [T, Hq, D], k/v [T, Hkv, D]."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                  scale: float) -> torch.Tensor: ...
+
+    def kv_destination(self, layer: int) -> PagedDest | None:
+        """Where a model's fused prologue may write this layer's new k/v itself (it then passes k = v = None), or
+        None: the attention stores the k/v it is given."""
+        ...
+
+
+class AttentionBase:
+    """The base of AttentionFn implementations: no destination offered, so models always pass k and v."""
+
+    def kv_destination(self, layer: int) -> PagedDest | None:
+        return None
 
 
 @dataclass

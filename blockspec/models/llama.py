@@ -40,10 +40,8 @@ class Attention(nn.Module):
 
             norms = (qn.weight, kn.weight, qn.eps) if qn is not None else (None, None, 0.0)
             # an attention over the paged pool may take k/v straight into its caches (k = v = None then)
-            dest = getattr(attn, "kv_destination", None)
-            paged = dest(self.layer_idx) if dest is not None else None
             q, k, v = split_qkv_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms, cos, sin,
-                                          paged)
+                                          attn.kv_destination(self.layer_idx))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from blockspec.attention.torch_ref import attend, build_mask
+from blockspec.models.base import AttentionBase
 from blockspec.train.batches import TILE, Capacity, MicroBatch, round_up
 from blockspec.train.masks import DraftLayout, TargetLayout
 
@@ -66,7 +67,7 @@ class FlexState:
         return out[0].transpose(0, 1)
 
 
-class PackedCausalAttention:
+class PackedCausalAttention(AttentionBase):
     """AttentionFn of the frozen target over whole packed sequences: causal inside each sequence, nothing across."""
 
     def __init__(self, mb: MicroBatch, flex: FlexState | None = None, block_mask=None) -> None:

@@ -37,16 +37,20 @@ def draft_config_dict(target: ModelConfig, num_layers: int, block_size: int, mas
 
 
 def hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
-    """Our parameters under the checkpoint's tensor names (gate_up_proj split back into gate_proj / up_proj)."""
+    """Our parameters under the checkpoint's tensor names (packed qkv_proj / gate_up_proj split back into q_proj,
+    k_proj, v_proj / gate_proj, up_proj)."""
+    parts: dict[str, dict[int, str]] = {}  # our packed name -> shard index -> checkpoint name
+    for hf_part, (ours, idx) in model.packed.items():
+        parts.setdefault(ours, {})[idx] = hf_part
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        t = p.detach().contiguous()
-        if "gate_up_proj" in name:
-            gate, up = t.chunk(2, dim=0)
-            out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-            out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
-        else:
-            out[name] = t
+        module, _, leaf = name.rpartition(".")  # "layers.0.self_attn.qkv_proj", "weight"
+        parent, _, packed = module.rpartition(".")  # "layers.0.self_attn", "qkv_proj"
+        if packed not in parts:
+            out[name] = p.detach().contiguous()
+            continue
+        for idx, t in enumerate(p.detach().split(model.shard_sizes(name))):
+            out[f"{parent}.{parts[packed][idx]}.{leaf}"] = t.contiguous()
     return out
 
 
@@ -69,7 +73,10 @@ def random_draft(config: dict[str, Any], seed: int = 0, source: str = "init_draf
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                torch.nn.init.normal_(p, std=0.02)
+                # q, k and v drawn as the checkpoint's three tensors: one draw over the packed rows gives other
+                # numbers when a block's size is not a multiple of 16, and a seed keeps its drafter
+                for part in p.split(model.shard_sizes(name)) if name.endswith("qkv_proj.weight") else [p]:
+                    torch.nn.init.normal_(part, std=0.02)
     return model
 
 
