@@ -68,3 +68,20 @@ def test_resume_of_a_checkpoint_older_than_a_setting(target, tmp_path):
         setup = new_draft(lm, DraftShape(num_layers=2, block_size=4, target_layer_ids=[0, 2], intermediate_size=32,
                                          mask_token_id=MASK), seed=1, device=CPU)
         train(lm, setup, prepare(data, cfg, "mem"), cfg, tmp_path, None, resume=True, use_tqdm=False)
+
+
+def test_resume_of_a_checkpoint_with_separate_q_k_v_is_refused_naming_the_export(target, tmp_path):
+    """A checkpoint written before the drafter's q/k/v became one qkv_proj cannot be resumed (its optimizer state
+    is per separate projection): one clear error that points at the run's export, which --init continues."""
+    _, lm = target
+    data = random_sequences(24, torch.Generator().manual_seed(3))
+    run_small(lm, data, tmp_path, max_steps=2)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    model = ckpt["model"]
+    for key in [k for k in model if k.endswith("self_attn.qkv_proj.weight")]:
+        q, k, v = model.pop(key).chunk(3)  # the layout of the earlier checkpoints, by name (sizes do not matter here)
+        prefix = key.removesuffix("qkv_proj.weight")
+        model[prefix + "q_proj.weight"], model[prefix + "k_proj.weight"], model[prefix + "v_proj.weight"] = q, k, v
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    with pytest.raises(BlockspecError, match=rf"earlier blockspec .* --init {tmp_path}$"):
+        run_small(lm, data, tmp_path, max_steps=3, resume=True)

@@ -54,6 +54,10 @@ def load_checkpoint(out_dir: Path, cfg: TrainConfig, draft_config: dict[str, Any
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
         raise BlockspecError(f"{path}: cannot read checkpoint ({e})") from None
+    if any(k.endswith("self_attn.q_proj.weight") for k in ckpt["model"]):  # before q/k/v became one qkv_proj
+        raise BlockspecError(f"{path}: written by an earlier blockspec whose drafter kept q_proj/k_proj/v_proj apart "
+                             f"(its optimizer state cannot be mapped onto the packed qkv_proj); continue from the "
+                             f"run's export instead: --init {out_dir}")
     if ckpt["draft_config"] != draft_config:
         raise BlockspecError(f"{path}: the checkpoint is for a different drafter (draft config differs); resume with "
                              f"the same --draft-layers/--block-size/--target-layer-ids/--intermediate-size/--init")
