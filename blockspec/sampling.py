@@ -95,8 +95,10 @@ def processed_probs_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tens
     probs = torch.softmax(x, dim=-1)
     if rows.use_top_p:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        # keep the smallest prefix whose mass reaches top_p, and always the top token: a top_p that underflows to 0
+        # in fp32 (1e-300) would otherwise drop every token and leave NaN
         drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p[:, None]
+        drop[:, 0] = False
         kept = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
         kept = kept / kept.sum(-1, keepdim=True)
         probs = torch.where((rows.top_p < 1.0)[:, None], kept, probs)

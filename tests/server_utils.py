@@ -63,13 +63,13 @@ def tiny_pair():
 class LiveServer:
     """build_app(engine) served by uvicorn on 127.0.0.1:<free port> in a thread, until stop()."""
 
-    def __init__(self, engine, name: str = "tiny", api_key: str | None = None) -> None:
+    def __init__(self, engine, name: str = "tiny", api_key: str | None = None, **app_options) -> None:
         import uvicorn
 
         from blockspec.server.app import build_app
 
         self.engine = engine
-        self.app = build_app(engine, name, api_key)
+        self.app = build_app(engine, name, api_key, **app_options)
         sock = socket.create_server(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))

@@ -1,5 +1,6 @@
 """Sampler tests: SamplingParams validation, the processed distribution (temperature/top_k/top_p), the exactness
-of the exponential-race sampler (chi-square, fixed seeds), and seeded end-to-end generation on a tiny HF llama."""
+of the exponential-race sampler (chi-square, fixed seeds), and seeded end-to-end generation on a tiny HF llama. (A top_p that underflows in fp32, end to end:
+tests/test_top_p_underflow.py.)"""
 
 from __future__ import annotations
 

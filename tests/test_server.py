@@ -6,7 +6,8 @@ on the same tiny target + random DFlash drafter (fp32, CPU).
   offline engine's, usage counts the prompt and generated tokens.
 - Stop strings cut the text before their first occurrence (also across chunks) and finish with "stop".
 - Seeded sampling is reproducible and equals LLM.generate with the same seed; choice j of n uses seed + j.
-- /v1/models, /health; an API key makes every path answer 401 without it."""
+- /v1/models, /health; an API key makes every path answer 401 without it (with `WWW-Authenticate: Bearer`); the
+  Bearer scheme is case-insensitive."""
 
 from __future__ import annotations
 
@@ -211,9 +212,14 @@ def test_api_key(pair):
     try:
         for path in ("/health", "/metrics", "/v1/models", "/nowhere"):
             r = httpx.get(srv.url + path)
-            assert r.status_code == 401
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
             assert r.json()["error"]["code"] == "invalid_api_key"
-            assert httpx.get(srv.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            for wrong in ("Bearer wrong", "Basic s3cret", "Bearer", "s3cret", "Bearer s3cret2"):
+                r = httpx.get(srv.url + path, headers={"Authorization": wrong})
+                assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", wrong
+        for scheme in ("bearer", "BEARER", "BeArEr"):  # the scheme is case-insensitive, the key is not
+            assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+            assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"{scheme} S3CRET"}).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong").completions.create(model="tiny", prompt="a", max_tokens=2)
         ok = srv.client(api_key="s3cret").completions.create(model="tiny", prompt="a", max_tokens=2)

@@ -1,5 +1,6 @@
 """The command lines: `blockspec serve` as a real process (ready line, requests with the official client, SIGTERM
-while a stream is running: the stream ends with finish_reason "abort", the lifespan completes, the process ends), its flag errors, and
+while a stream is running: the stream ends with finish_reason "abort", new requests get 503 during the grace period,
+a second signal ends it, the lifespan completes, the process ends), its flag errors, and
 `blockspec chat` fed from stdin (replies equal offline greedy outputs over the whole conversation, status line)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 import torch
@@ -29,7 +31,7 @@ def test_serve_process_answers_then_shuts_down_on_sigterm():
     ref = LLM.from_loaded(lm, d).generate(["Hello"], SamplingParams(max_tokens=10), use_tqdm=False)[0]
     proc = subprocess.Popen(
         [sys.executable, "-m", "blockspec", "serve", str(target), "--draft", str(draft), "--port", "0",
-         "--served-model-name", "tiny", "--device", "cpu", "--log-level", "info"],
+         "--served-model-name", "tiny", "--device", "cpu", "--log-level", "info", "--shutdown-grace", "60"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "BLOCKSPEC_API_KEY": "k"},
     )
     try:
@@ -49,6 +51,16 @@ def test_serve_process_answers_then_shuts_down_on_sigterm():
         proc.send_signal(signal.SIGTERM)
         reasons = [c.finish_reason for ch in stream for c in ch.choices if c.finish_reason]
         assert reasons == ["abort"]
+        # the grace period: still listening, new requests get the documented 503 (the issue's probe: 0.3 s after)
+        time.sleep(max(0.0, t0 + 0.3 - time.monotonic()))
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="late", max_tokens=2)
+        assert refused.value.status_code == 503 and refused.value.response.json() == {"error": {
+            "message": "the server is shutting down", "type": "unavailable", "param": None, "code": None}}
+        health = httpx.get(m.group(1)[:-3] + "/health", headers={"Authorization": "Bearer k"})
+        assert (health.status_code, health.json()) == (503, {"status": "shutting_down"})
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)  # a second signal ends the 60 s grace at once
         # uvicorn re-raises the signal once its shutdown (lifespan included: the engine thread joined) is complete
         assert proc.wait(timeout=30) == -signal.SIGTERM
         assert time.monotonic() - t0 < 15
@@ -75,6 +87,10 @@ def test_serve_flag_errors(capsys):
                                        "separated by commas, e.g. 1:15,16:7,64:3\n")
     assert main(["serve", str(target), "--draft", str(draft), "--draft-len-schedule", "0:7"]) == 2
     assert "draft_len_schedule={0: 7}" in capsys.readouterr().err
+    assert main(["serve", str(target), "--max-request-bytes", "0"]) == 2
+    assert capsys.readouterr().err == "blockspec: error: --max-request-bytes 0: must be >= 1\n"
+    assert main(["serve", str(target), "--shutdown-grace", "-1"]) == 2
+    assert capsys.readouterr().err == "blockspec: error: --shutdown-grace -1.0: must be a number of seconds >= 0\n"
     assert main(["serve", str(target), "--port", "99999"]) == 2
     assert "blockspec: error: cannot listen on 127.0.0.1:99999" in capsys.readouterr().err
 

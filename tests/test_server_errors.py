@@ -69,9 +69,19 @@ CASES = [  # (path, body, param, message)
     (COMPLETIONS, with_(COMPLETIONS, max_tokens=10**30), "max_tokens",
      f"max_tokens={10**30} is too large: the prompt has 3 tokens and the context is 64 tokens, so at most 61 can "
      f"be generated"),
-    (COMPLETIONS, with_(COMPLETIONS, max_tokens=50), None,
+    (COMPLETIONS, with_(COMPLETIONS, max_tokens=50), "max_tokens",
      "the request needs up to 57 KV slots (prompt 3 + max_tokens 50 + 4 verify slots) but the KV pool holds 48 "
      "(num_kv_blocks x block_size); raise num_kv_blocks / kv_cache_tokens or lower max_tokens"),
+    (CHAT, with_(CHAT, max_tokens=DROP, max_completion_tokens=30), "max_completion_tokens",
+     "the request needs up to 54 KV slots (prompt 20 + max_completion_tokens 30 + 4 verify slots) but the KV pool "
+     "holds 48 (num_kv_blocks x block_size); raise num_kv_blocks / kv_cache_tokens or lower max_completion_tokens"),
+    (COMPLETIONS, with_(COMPLETIONS, prompt="a" * 44, max_tokens=DROP), "prompt",  # not even the default fits
+     "the request needs up to 50 KV slots (prompt 45 + max_tokens 1 + 4 verify slots) but the KV pool holds 48 "
+     "(num_kv_blocks x block_size); raise num_kv_blocks / kv_cache_tokens or shorten the prompt"),
+    (COMPLETIONS, with_(COMPLETIONS, prompt="a\ud800b"), "prompt",
+     "prompt contains a lone UTF-16 surrogate ('\\ud800' at character 1), which is not valid Unicode text"),
+    (COMPLETIONS, with_(COMPLETIONS, prompt=["fine", "x\udfff"]), "prompt.1",
+     "prompt.1 contains a lone UTF-16 surrogate ('\\udfff' at character 1), which is not valid Unicode text"),
     (COMPLETIONS, with_(COMPLETIONS, prompt=TOO_LONG), "prompt",
      "the prompt has 71 tokens but the model's context is 64 tokens (max_position_embeddings); shorten the prompt"),
     (COMPLETIONS, with_(COMPLETIONS, prompt=[]), "prompt",
@@ -124,6 +134,14 @@ CASES = [  # (path, body, param, message)
     (CHAT, with_(CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]),
      "messages.0.content", "messages[0].content must be a string or a list of {\"type\": \"text\", \"text\": ...} "
                            "parts (only text is supported)"),
+    (CHAT, with_(CHAT, messages=[{"role": "user", "content": "a\ud800b"}]), "messages.0.content",
+     "messages.0.content contains a lone UTF-16 surrogate ('\\ud800' at character 1), which is not valid Unicode "
+     "text"),
+    (CHAT, with_(CHAT, messages=[{"role": "system", "content": "ok"},
+                                 {"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
+     "messages.1.content",
+     "messages.1.content contains a lone UTF-16 surrogate ('\\udc00' at character 0), which is not valid Unicode "
+     "text"),
     (CHAT, with_(CHAT, messages=[{"role": "user", "content": TOO_LONG}]), "messages",
      "the prompt has 88 tokens but the model's context is 64 tokens (max_position_embeddings); shorten the prompt"),
     (CHAT, with_(CHAT, max_completion_tokens=-1), "max_completion_tokens", "max_completion_tokens=-1 must be >= 1"),
@@ -139,6 +157,14 @@ def test_bad_input_is_400_naming_the_field(server, path, body, param, message):
     assert r.status_code == 400, r.text
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                   "code": "model_not_found" if param == "model" and "served" in message else None}}
+
+
+def test_models_advertise_the_length_the_pool_holds(server):
+    # 48 KV slots, 4 of them for the verify window: 44 tokens of prompt + completion, less than the 64-token context
+    assert [(m.id, m.max_model_len) for m in server.client().models.list().data] == [("tiny", 44)]
+    assert post(server, COMPLETIONS, with_(COMPLETIONS, prompt=[1] * 40, max_tokens=4)).status_code == 200
+    over = post(server, COMPLETIONS, with_(COMPLETIONS, prompt=[1] * 40, max_tokens=5))
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
 
 
 def test_unknown_route_and_method(server):

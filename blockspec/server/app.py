@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
@@ -14,10 +14,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.engine.llm_engine import LLMEngine
-from blockspec.server.engine_loop import EngineLoop
+from blockspec.server.engine_loop import EngineLoop, shutting_down
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
-from blockspec.server.prepare import ModelLimits, prepare_chat, prepare_completion
-from blockspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from blockspec.server.prepare import ModelLimits, Prepared, prepare_chat, prepare_completion
+from blockspec.server.protocol import (DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest, CompletionRequest,
+                                       SamplingRequest, parse_body, read_body)
 from blockspec.server.runner import ServingState, run_request
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -34,8 +35,9 @@ class _Guard:
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None:
             return True
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+        scheme, _, token = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
+        # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,13 +52,16 @@ class _Guard:
         if not self._authorized(scope):
             err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-            return await _error_response(err)(scope, receive, counting_send)
+            response = _error_response(err)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> ASGIApp:
-    """An ASGI app serving `engine` under `model_name`; the engine thread runs for the app's lifespan.
-    Its `.state` is the ServingState (engine loop, limits, metrics)."""
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> ASGIApp:
+    """An ASGI app serving `engine` under `model_name`; the engine thread runs for the app's lifespan. Request bodies
+    over `max_request_bytes` get 413. Its `.state` is the ServingState (engine loop, limits, metrics)."""
     tok = engine.lm.tokenizer
     limits = ModelLimits(model_name, tok, engine.lm.config.vocab_size, engine.max_model_len,
                          engine.pool.num_blocks * engine.pool.block_size, engine.K + 1)
@@ -88,8 +93,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
                                         type_="internal_error"))
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "shutting_down" if state.engine_loop.closing else "ok"}
+    async def health() -> JSONResponse:
+        if state.engine_loop.closing:  # 503: load balancers stop sending requests here
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -98,17 +105,25 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None) ->
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "blockspec", "max_model_len": limits.max_model_len}]}
+                                            "owned_by": "blockspec", "max_model_len": limits.servable_len}]}
+
+    async def prepared(request: Request, body: type[SamplingRequest],
+                       prepare: Callable[[Any, ModelLimits], Prepared]) -> Prepared:
+        if state.engine_loop.closing:  # before any work on the request
+            raise shutting_down()
+        raw = await read_body(request, max_request_bytes)
+        # parsing and tokenizing a large prompt takes seconds: off the event loop, which serves everyone else
+        return await asyncio.to_thread(lambda: prepare(parse_body(raw, body), limits))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(await request.body(), CompletionRequest)
-        return await run_request(state, prepare_completion(req, limits), request, chat=False)
+        return await run_request(state, await prepared(request, CompletionRequest, prepare_completion), request,
+                                 chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(await request.body(), ChatCompletionRequest)
-        return await run_request(state, prepare_chat(req, limits), request, chat=True)
+        return await run_request(state, await prepared(request, ChatCompletionRequest, prepare_chat), request,
+                                 chat=True)
 
     # outermost, so that the key is checked before anything else and every response is counted, 500s included
     guard = _Guard(app, metrics, api_key)

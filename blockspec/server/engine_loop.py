@@ -73,7 +73,7 @@ class EngineLoop:
     async def submit(self, request_id: str, work: list[tuple[list[int], SamplingParams]]) -> RequestStream:
         """Add one engine request per choice; returns once the engine took them all (or raises APIError)."""
         if self.closing:
-            raise _shutting_down()
+            raise shutting_down()
         stream = RequestStream(request_id, asyncio.Queue())
         accepted = asyncio.get_running_loop().create_future()
         self._commands.put(_Add(stream, work, accepted))
@@ -102,7 +102,7 @@ class EngineLoop:
         while not self._commands.empty():  # adds that raced the stop never reached the thread
             cmd = self._commands.get()
             if isinstance(cmd, _Add):
-                _settle(cmd.accepted, _shutting_down())
+                _settle(cmd.accepted, shutting_down())
 
     # ---- engine thread
 
@@ -138,7 +138,7 @@ class EngineLoop:
 
     def _add(self, cmd: _Add) -> None:
         if self.closing:
-            self._post(_settle, cmd.accepted, _shutting_down())
+            self._post(_settle, cmd.accepted, shutting_down())
             return
         if cmd.accepted.cancelled():
             return
@@ -200,7 +200,7 @@ class EngineLoop:
         return False
 
 
-def _shutting_down() -> APIError:
+def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type_="unavailable")
 
 

@@ -12,7 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from blockspec.engine.outputs import RequestOutput
+from blockspec.engine.outputs import FinishReason, RequestOutput
 
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -53,7 +53,8 @@ class Metrics:
         self.http = counter("blockspec_requests_total", "HTTP responses by endpoint and status code.",
                             ("endpoint", "status"))
         self.finished = counter("blockspec_finished_requests_total",
-                                "Engine requests (one per choice) finished, by finish reason.", ("finish_reason",))
+                                "Choices finished, by the finish reason answered (abort: the client left or the "
+                                "request failed).", ("finish_reason",))
         self.errors = counter("blockspec_errors_total", "Internal errors: one request failed, or an engine step.",
                               ("kind",))
         self.prompt_tokens = counter("blockspec_prompt_tokens_total", "Prompt tokens of finished engine requests.")
@@ -93,11 +94,15 @@ class Metrics:
         self.kv_used.set(kv_used)
         self.kv_usage.set(kv_used / self._kv_blocks_total)
 
+    def count_finish(self, reason: FinishReason) -> None:
+        """One choice ended with `reason`, as answered to the client (a stop string is "stop" although its engine
+        request was aborted)."""
+        self.finished.labels(finish_reason=reason.value).inc()
+
     def record_output(self, out: RequestOutput) -> None:
         self.generation_tokens.inc(len(out.new_token_ids))
         if not out.finished:
             return
-        self.finished.labels(finish_reason=out.finish_reason.value if out.finish_reason else "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_ids))
         if out.mean_acceptance_length is not None:
             self.tau.observe(out.mean_acceptance_length)

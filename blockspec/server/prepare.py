@@ -28,6 +28,12 @@ class ModelLimits:
     kv_capacity: int  # tokens the KV pool holds
     verify_slots: int  # K + 1 slots a speculative step needs beyond the tokens
 
+    @property
+    def servable_len(self) -> int:
+        """The longest prompt + completion one request may have: the context, or less where the KV pool (which must
+        also hold the verify slots) is smaller."""
+        return min(self.max_model_len, self.kv_capacity - self.verify_slots)
+
 
 @dataclass
 class Choice:
@@ -46,6 +52,15 @@ class Prepared:
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
+
+
+def _check_text(text: str, param: str) -> None:
+    """JSON strings may carry lone UTF-16 surrogates ("\\ud800"): not Unicode text, no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(param, f"{param} contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                          f"which is not valid Unicode text") from None
 
 
 def _stop_strings(stop: object, limits: ModelLimits) -> list[str]:
@@ -89,16 +104,29 @@ def _sampling(req: SamplingRequest, max_tokens: int, seed_offset: int, limits: M
         raise _bad(e.field or "sampling", str(e)) from None
 
 
-def _max_tokens(requested: int | None, default: int | None, param: str, prompt_len: int, limits: ModelLimits) -> int:
-    room = limits.max_model_len - prompt_len
-    if requested is None:  # the default, within what the context and the pool allow
-        fits = max(1, min(room, limits.kv_capacity - prompt_len - limits.verify_slots))
-        return min(default or fits, fits)
-    if requested < 1:
+def _kv_too_small(blamed: str, param: str, prompt_len: int, max_tokens: int, limits: ModelLimits) -> APIError:
+    need = prompt_len + max_tokens + limits.verify_slots
+    fix = f"lower {param}" if blamed == param else "shorten the prompt"
+    return _bad(blamed, f"the request needs up to {need} KV slots (prompt {prompt_len} + {param} {max_tokens} + "
+                        f"{limits.verify_slots} verify slots) but the KV pool holds {limits.kv_capacity} "
+                        f"(num_kv_blocks x block_size); raise num_kv_blocks / kv_cache_tokens or {fix}")
+
+
+def _max_tokens(requested: int | None, default: int | None, param: str, prompt_param: str, prompt_len: int,
+                limits: ModelLimits) -> int:
+    room = limits.max_model_len - prompt_len  # >= 1: check_prompt passed
+    if requested is not None and requested < 1:
         raise _bad(param, f"{param}={requested} must be >= 1")
-    if requested > room:
+    if requested is not None and requested > room:
         raise _bad(param, f"{param}={requested} is too large: the prompt has {prompt_len} tokens and the context "
                           f"is {limits.max_model_len} tokens, so at most {room} can be generated")
+    fits = min(room, limits.kv_capacity - prompt_len - limits.verify_slots)  # what the KV pool can hold too
+    if fits < 1:  # not even one token: the prompt is to blame
+        raise _kv_too_small(prompt_param, param, prompt_len, requested or 1, limits)
+    if requested is None:  # the default, within what the context and the pool allow
+        return min(default or fits, fits)
+    if requested > fits:
+        raise _kv_too_small(param, param, prompt_len, requested, limits)
     return requested
 
 
@@ -109,12 +137,13 @@ def _build(req: SamplingRequest, prompts: list[list[int]], max_tokens: int | Non
     _check_unsupported(req)
     stop = _stop_strings(req.stop, limits)
     choices = []
+    prompt_param = "prompt" if isinstance(req, CompletionRequest) else "messages"
     for p, ids in enumerate(prompts):
         try:
             check_prompt(ids, limits.vocab_size, limits.max_model_len)
         except BlockspecError as e:
-            raise _bad("prompt" if isinstance(req, CompletionRequest) else "messages", str(e)) from None
-        limit = _max_tokens(max_tokens, default_max, param, len(ids), limits)
+            raise _bad(prompt_param, str(e)) from None
+        limit = _max_tokens(max_tokens, default_max, param, prompt_param, len(ids), limits)
         choices += [Choice(p, _sampling(req, limit, j, limits)) for j in range(req.n)]
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options", "stream_options is only allowed with stream: true")
@@ -135,9 +164,9 @@ def _prompt_ids(prompt: object, limits: ModelLimits) -> list[list[int]]:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
     if isinstance(prompt, str):
-        texts = [prompt]
+        texts = {"prompt": prompt}
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        texts = prompt
+        texts = {f"prompt.{i}": p for i, p in enumerate(prompt)}
     elif is_ids(prompt) and prompt:
         return [prompt]
     elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
@@ -147,7 +176,9 @@ def _prompt_ids(prompt: object, limits: ModelLimits) -> list[list[int]]:
                              "token-id lists, and not empty")
     if limits.tokenizer is None:
         raise _bad("prompt", "this model has no tokenizer: pass the prompt as token ids")
-    return [limits.tokenizer.encode(t) for t in texts]
+    for param, text in texts.items():
+        _check_text(text, param)
+    return [limits.tokenizer.encode(t) for t in texts.values()]
 
 
 def prepare_completion(req: CompletionRequest, limits: ModelLimits) -> Prepared:
@@ -156,14 +187,16 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits) -> Prepared:
 
 
 def _message_text(content: object, i: int) -> str:
-    if isinstance(content, str):
-        return content
+    param = f"messages.{i}.content"
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
                                          for p in content):
-        return "".join(p["text"] for p in content)
-    raise _bad(f"messages.{i}.content", f"messages[{i}].content must be a string or a list of "
-                                        f"{{\"type\": \"text\", \"text\": ...}} parts (only text is supported)")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _bad(param, f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\": "
+                          f"...}} parts (only text is supported)")
+    _check_text(content, param)
+    return content
 
 
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits) -> Prepared:

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (strict types, unknown fields rejected) and the OpenAI-style error.
+"""OpenAI request bodies (strict types, unknown fields rejected, null for an optional field meaning its default), the
+body read under a size limit, and the OpenAI-style error.
 
 Fields whose JSON type is a union in OpenAI's API (`prompt`, `stop`, message `content`) are taken as raw JSON here
 and checked by hand in prepare.py, so that their errors read as one sentence about the field instead of one pydantic
@@ -9,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import Request
 
 MAX_N = 128  # choices per request, as OpenAI
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # several 128k-token contexts of text; big batches of token ids may need more
 
 
 class APIError(Exception):
@@ -32,15 +35,28 @@ def internal_error(request_id: str) -> APIError:
                     type_="internal_error")
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Strict types, unknown fields rejected, and `null` for an optional field means its default, as in OpenAI's API
+    (its clients send null for parameters set to None)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
     model: str
     max_tokens: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -67,8 +83,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any  # str | list of {"type": "text", "text": str}
     name: str | None = None
@@ -79,6 +94,25 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or APIError(413) once it is known to exceed `limit` bytes: from Content-Length before any
+    of it is read, else as soon as the chunks received pass the limit (the rest is never read)."""
+
+    def too_large() -> APIError:
+        return APIError(413, f"the request body is larger than {limit} bytes, the limit of this server "
+                             f"(blockspec serve --max-request-bytes)", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large()
+    return bytes(body)
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:

@@ -41,30 +41,54 @@ class Update:
     finish_reason: FinishReason | None
 
 
+def _acceptance_upto(lengths: list[int], num_tokens: int) -> list[int]:
+    """The verify steps' emitted counts over the first `num_tokens` tokens (the first token is the prefill's, not a
+    verify step's): a stop string cut inside a step counts that step's tokens up to the cut only."""
+    left, kept = num_tokens - 1, []
+    for n in lengths:
+        if left <= 0:
+            break
+        kept.append(min(n, left))
+        left -= kept[-1]
+    return kept
+
+
 class _Request:
     def __init__(self, state: ServingState, prepared: Prepared, stream: RequestStream) -> None:
         self.state, self.prepared, self.stream = state, prepared, stream
         self.texts = [ChoiceText(state.limits.tokenizer, prepared.stop) for _ in prepared.choices]
         self.acceptance: list[list[int]] = [[] for _ in prepared.choices]
+        self.reasons: list[FinishReason | None] = [None] * len(prepared.choices)
 
     async def updates(self) -> AsyncIterator[Update]:
         """Updates per choice until every choice has its finish reason."""
-        done = [False] * len(self.texts)
-        while not all(done):
+        while None in self.reasons:
             pos, out = await self.stream.next()
-            if done[pos]:  # the engine's "abort" after we cut at a stop string
+            if self.reasons[pos] is not None:  # the engine's "abort" after we cut at a stop string
                 continue
             text = self.texts[pos]
             seen = len(text.token_ids)
             delta, reason = text.push(out.new_token_ids), None
+            self.acceptance[pos] = out.acceptance_lengths
             if text.stopped:
                 reason = FinishReason.STOP
+                self.acceptance[pos] = _acceptance_upto(out.acceptance_lengths, len(text.token_ids))
                 self.state.engine_loop.abort(self.stream, pos)
             elif out.finished:
                 delta, reason = delta + text.finish(), out.finish_reason
-            self.acceptance[pos] = out.acceptance_lengths
-            done[pos] = reason is not None
+            if reason is not None:
+                self.reasons[pos] = reason
+                self.state.metrics.count_finish(reason)  # as answered: a stop string is "stop", whatever the engine
             yield Update(pos, delta, text.token_ids[seen:], reason)
+
+    def close(self) -> None:
+        """The request is over (answered, failed or its client gone): choices without a finish reason count as
+        aborted, and the engine requests still running are aborted."""
+        for pos, reason in enumerate(self.reasons):
+            if reason is None:
+                self.reasons[pos] = FinishReason.ABORT
+                self.state.metrics.count_finish(FinishReason.ABORT)
+        self.state.engine_loop.abort(self.stream)
 
     def usage(self) -> Usage:
         return Usage(sum(len(p) for p in self.prepared.prompts), sum(len(t.token_ids) for t in self.texts),
@@ -100,7 +124,7 @@ async def _respond_json(req: _Request, fmt: ResponseFormat, request: Request) ->
         raise _fail(req.state, fmt.request_id) from None
     finally:
         watcher.cancel()
-        req.state.engine_loop.abort(req.stream)
+        req.close()
     return JSONResponse(body)
 
 
@@ -118,7 +142,7 @@ async def _events(req: _Request, fmt: ResponseFormat) -> AsyncIterator[str]:
     except Exception:
         yield fmt.error_chunk(_fail(req.state, fmt.request_id).body())
     finally:  # also when the client disconnects: the stream is cancelled and its engine requests aborted
-        req.state.engine_loop.abort(req.stream)
+        req.close()
     yield DONE
 
 
