@@ -1,4 +1,5 @@
-"""SpeculativeConfig (DFlash): the fields users of other engines know, validated when built and against the target."""
+"""SpeculativeConfig (DFlash, n-gram lookup, a classic draft model): the fields users of other engines know,
+validated when built and against the target."""
 
 from __future__ import annotations
 
@@ -9,11 +10,25 @@ from blockspec.models.config import ModelConfig
 from blockspec.models.dflash_config import DFlashConfig
 
 
+METHODS = ("dflash", "ngram", "draft-model")
+DEFAULT_NGRAM_MAX = 3
+DEFAULT_NGRAM_DRAFT_TOKENS = 5  # K without a drafter's block size to derive it from
+# fields that only a DFlash drafter reads: given with another method, they are an error that names them
+DFLASH_ONLY = ("mask_token_id", "target_layer_ids", "full_block_drafting", "cpu_bf16_draft", "draft_vocab_size")
+
+
 @dataclass
 class SpeculativeConfig:
-    draft_model: str = field(metadata={
-        "flag": "--draft", "help": "DFlash draft checkpoint (directory or hub id): speculative decoding"})
-    method: str = "dflash"
+    draft_model: str | None = field(default=None, metadata={
+        "flag": "--draft", "help": "draft checkpoint (directory or hub id): a DFlash drafter, or with "
+                                   "--speculative-method draft-model a small causal LM with the target's tokenizer"})
+    # None: "dflash" when draft_model is a DFlash checkpoint, "draft-model" when it is a plain causal LM
+    method: str | None = field(default=None, metadata={
+        "flag": "--speculative-method", "choices": list(METHODS),
+        "help": "dflash (block-diffusion drafter), ngram (prompt lookup, no --draft) or draft-model (a classic "
+                "autoregressive draft model); default: from the --draft checkpoint"})
+    ngram_max: int | None = field(default=None, metadata={
+        "metavar": "N", "help": f"ngram: match the last n <= N tokens (default {DEFAULT_NGRAM_MAX})"})
     num_draft_tokens: int | None = field(default=None, metadata={
         "help": "K drafts per block (default: block_size - 1)"})
     mask_token_id: int | None = None  # None -> the draft's dflash_config, then top level
@@ -38,10 +53,28 @@ class SpeculativeConfig:
         "metavar": "N", "help": "argmax drafts over token ids < N only (a smaller draft head; outputs do not change)"})
 
     def __post_init__(self) -> None:
-        if self.method != "dflash":
-            raise ConfigError(f"speculative method={self.method!r} is not supported (supported: 'dflash')")
-        if not self.draft_model:
-            raise ConfigError("speculative draft_model is required (a DFlash draft checkpoint directory or hub id)")
+        if self.method is not None and self.method not in METHODS:
+            raise ConfigError(f"speculative method={self.method!r} is not supported (supported: "
+                              f"{', '.join(METHODS)})", field="method")
+        if self.method == "ngram":
+            if self.draft_model:
+                raise ConfigError(f"draft_model={self.draft_model!r} does not go with method='ngram' (prompt lookup "
+                                  f"has no draft model): drop it, or pick method 'dflash' or 'draft-model'",
+                                  field="draft_model")
+        elif not self.draft_model:
+            raise ConfigError(f"speculative draft_model is required for method {self.method or 'dflash'!r} (a DFlash "
+                              f"draft checkpoint, or a causal LM for 'draft-model'; 'ngram' needs none)",
+                              field="draft_model")
+        if self.ngram_max is not None:
+            if self.method != "ngram":
+                raise ConfigError(f"ngram_max={self.ngram_max!r} applies to method 'ngram' only", field="ngram_max")
+            if isinstance(self.ngram_max, bool) or not isinstance(self.ngram_max, int) or self.ngram_max < 1:
+                raise ConfigError(f"ngram_max={self.ngram_max!r} must be an integer >= 1", field="ngram_max")
+        if self.method in ("ngram", "draft-model"):
+            for name in DFLASH_ONLY + ("probabilistic_drafting",):
+                if getattr(self, name) not in (None, False):
+                    raise ConfigError(f"{name}={getattr(self, name)!r} applies to DFlash drafters only, not to "
+                                      f"method {self.method!r}", field=name)
         if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1):
             raise ConfigError(f"num_draft_tokens={self.num_draft_tokens!r} must be an integer >= 1")
         if self.target_layer_ids is not None and (

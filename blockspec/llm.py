@@ -10,10 +10,12 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.outputs import RequestOutput
 from blockspec.errors import BlockspecError, ConfigError
-from blockspec.loading.draft_loader import LoadedDraft, load_draft
+from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy
+from blockspec.speculative.proposer import Proposer
+from blockspec.speculative.registry import load_proposer, method_of
 
 
 class LLM:
@@ -34,6 +36,9 @@ class LLM:
             if batch_invariant:
                 raise ConfigError("batch_invariant=True is not supported with tensor_parallel_size > 1 (the sharded "
                                   "linears and all-reduces are not batch-invariant)")
+            if speculative_config is not None and method_of(speculative_config) != "dflash":
+                raise ConfigError(f"speculative method {method_of(speculative_config)!r} is not supported with "
+                                  f"tensor_parallel_size > 1 (only 'dflash' drafters are sharded)", field="method")
             if speculative_config is not None and speculative_config.cpu_bf16_draft:
                 raise ConfigError("cpu_bf16_draft=True is not supported with tensor_parallel_size > 1 (the packed "
                                   "bf16 drafter cannot be sharded)")
@@ -46,13 +51,11 @@ class LLM:
             return
         self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed, batch_invariant=batch_invariant)
         self.tokenizer = self.lm.tokenizer
-        draft = None
-        if speculative_config is not None:
-            draft = load_draft(speculative_config, self.lm)
-        self.engine = LLMEngine(self.lm, draft, config)
+        proposer = load_proposer(speculative_config, self.lm) if speculative_config is not None else None
+        self.engine = LLMEngine(self.lm, proposer, config)
 
     @classmethod
-    def from_loaded(cls, lm: LoadedModel, draft: LoadedDraft | None = None,
+    def from_loaded(cls, lm: LoadedModel, draft: Proposer | LoadedDraft | None = None,
                     acceptance: AcceptancePolicy | None = None, **engine_config) -> LLM:
         """Wrap an already loaded target (and draft) without reading any files again. acceptance: see LLMEngine
         (benchmarks force one; users keep the default)."""

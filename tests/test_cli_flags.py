@@ -17,6 +17,7 @@ from blockspec.cli.config_flags import flag_fields
 from blockspec.cli.extras import EXTRAS
 from blockspec.cli.flags import engine_config, speculative_config
 from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.errors import BlockspecError
 from hf_utils import make_hf_model, save_hf_model
 
 # every flag of the two groups, with a value other than the field's default, and that value in the config
@@ -50,6 +51,32 @@ def test_each_speculative_flag_sets_its_field(field):
     assert speculative_config(args) == SpeculativeConfig(draft_model="d", **{field: value})
 
 
+def test_the_method_flags_set_their_fields():
+    args = parse(generate.add_args, "--prompt", "x", "--speculative-method", "ngram", "--ngram-max", "4",
+                 "--num-draft-tokens", "6")  # ngram: no --draft
+    assert speculative_config(args) == SpeculativeConfig(method="ngram", ngram_max=4, num_draft_tokens=6)
+    args = parse(generate.add_args, "--prompt", "x", "--draft", "d", "--speculative-method", "draft-model")
+    assert speculative_config(args) == SpeculativeConfig(draft_model="d", method="draft-model")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-method", "ngram", "--draft", "d"], "--draft: draft_model='d' does not go with method='ngram'"),
+    (["--speculative-method", "draft-model"], "--speculative-method needs --draft"),
+    (["--ngram-max", "2"], "--ngram-max needs --speculative-method ngram"),
+    (["--draft", "d", "--ngram-max", "2"], "--ngram-max needs --speculative-method ngram"),
+    (["--speculative-method", "ngram", "--ngram-max", "0"], "--ngram-max: ngram_max=0 must be an integer >= 1"),
+    (["--speculative-method", "ngram", "--full-block-drafting"],
+     "--full-block-drafting: full_block_drafting=True applies to DFlash drafters only, not to method 'ngram'"),
+    (["--draft", "d", "--speculative-method", "draft-model", "--draft-vocab-size", "8"],
+     "--draft-vocab-size: draft_vocab_size=8 applies to DFlash drafters only, not to method 'draft-model'"),
+])
+def test_bad_method_combinations_are_one_line_naming_the_flag(argv, message):
+    args = parse(generate.add_args, "--prompt", "x", *argv)
+    with pytest.raises(BlockspecError) as e:
+        speculative_config(args)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("field", ENGINE)
 def test_each_engine_flag_sets_its_field(field):
     flag, value = ENGINE[field]
@@ -66,7 +93,8 @@ def test_the_groups_cover_the_flags_and_leave_the_defaults():
                  "--tensor-parallel-size", "2")
     assert engine_config(args) == {"max_num_seqs": 5, "enforce_eager": True, "tensor_parallel_size": 2}
     # the tables above name every flag of the two groups (a flag left out of them would go untested)
-    assert {f.name for f in flag_fields(SpeculativeConfig)} == set(SPECULATIVE) | {"draft_model"}
+    assert {f.name for f in flag_fields(SpeculativeConfig)} == set(SPECULATIVE) | {"draft_model", "method",
+                                                                                   "ngram_max"}
     assert {f.name for f in flag_fields(EngineConfig)} == set(ENGINE) | {"tensor_parallel_size"}
 
 

@@ -58,9 +58,9 @@ def test_pool_bytes_per_token_formula(tiny):
 def _engine_tensor_bytes(engine) -> int:
     """Bytes of every tensor the engine owns besides the models' own weights and buffers (pool, runner, scheduler,
     block manager, sequences): found by walking attributes, lists, dicts."""
-    model_tensors = {id(t) for m in (engine.lm.model, engine.draft.model if engine.draft else None) if m is not None
+    model_tensors = {id(t) for m in (engine.lm.model, engine.proposer.draft.model if engine.proposer else None) if m is not None
                      for t in list(m.parameters()) + list(m.buffers())}
-    seen, total, stack = set(), 0, [v for k, v in vars(engine).items() if k not in ("lm", "draft")]
+    seen, total, stack = set(), 0, [v for k, v in vars(engine).items() if k not in ("lm", "proposer")]
     while stack:
         x = stack.pop()
         if id(x) in seen or x is None or isinstance(x, (int, float, str, bool, torch.nn.Module, DecodeStep)):
@@ -74,7 +74,7 @@ def _engine_tensor_bytes(engine) -> int:
         elif isinstance(x, (list, tuple, set, frozenset)) or type(x).__name__ == "deque":
             stack += list(x)
         elif hasattr(x, "__dict__"):
-            stack += [v for k, v in vars(x).items() if k not in ("lm", "draft")]
+            stack += [v for k, v in vars(x).items() if k not in ("lm", "proposer")]
     return total
 
 

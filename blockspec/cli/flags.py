@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, ConfigError
 
 if TYPE_CHECKING:
     from blockspec.llm import LLM
@@ -85,13 +85,19 @@ def add_speculative_args(p: argparse.ArgumentParser, names: Iterable[str] | None
 
 def speculative_config(args: argparse.Namespace, draft: str | None = None,
                        report_flags: Iterable[str] = ()) -> SpeculativeConfig | None:
-    """The SpeculativeConfig of the drafter (--draft, else `draft`) and of the speculative flags the command
-    registered. None without a drafter, where any speculative flag given, or any of `report_flags` (flags that report
-    on drafting, such as --trace), is an error that names it."""
+    """The SpeculativeConfig of the drafter (--draft, else `draft`) or of --speculative-method ngram (no drafter),
+    and of the speculative flags the command registered. None without either, where any speculative flag given, or
+    any of `report_flags` (flags that report on drafting, such as --trace), is an error that names it."""
     given = flags_given(args, SpeculativeConfig)
     source = given.pop("draft_model", draft)
-    if source is not None:
-        return SpeculativeConfig(draft_model=source, **given)
+    if "ngram_max" in given and given.get("method") != "ngram":
+        raise ConfigError("--ngram-max needs --speculative-method ngram", field="ngram_max")
+    if source is not None or given.get("method") == "ngram":
+        try:
+            return SpeculativeConfig(draft_model=source, **given)
+        except ConfigError as e:  # name the flag, not the field
+            flags = {f.name: flag_name(f) for f in flag_fields(SpeculativeConfig)}
+            raise ConfigError(f"{flags[e.field]}: {e}" if e.field in flags else str(e), field=e.field) from None
     names = [flag_name(f) for f in flag_fields(SpeculativeConfig) if f.name in given]
     names += ["--" + r.replace("_", "-") for r in report_flags if getattr(args, r)]
     if names:

@@ -17,21 +17,22 @@ from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy, TargetAcceptance
-from blockspec.speculative.proposer import StepModels
-from blockspec.speculative.registry import build_proposer
+from blockspec.speculative.proposer import Proposer, StepModels
+from blockspec.speculative.registry import as_proposer
 from blockspec.speculative.stats import SpecStats
 
 class LLMEngine:
-    def __init__(self, lm: LoadedModel, draft: LoadedDraft | None, config: EngineConfig | None = None,
+    def __init__(self, lm: LoadedModel, draft: Proposer | LoadedDraft | None, config: EngineConfig | None = None,
                  acceptance: AcceptancePolicy | None = None) -> None:
-        """acceptance: how drafts are accepted (default: the lossless TargetAcceptance; benchmarks pass
+        """draft: the proposer (speculative/registry.load_proposer), a loaded DFlash drafter, or None (plain
+        decoding). acceptance: how drafts are accepted (default: the lossless TargetAcceptance; benchmarks pass
         ForcedAcceptance)."""
-        self.lm, self.draft = lm, draft
+        self.lm = lm
+        self.proposer = proposer = as_proposer(draft)
         self.config = config = config or EngineConfig()
         cfg = lm.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.model.parameters())
-        proposer = build_proposer(draft) if draft is not None else None
         blocks = config.num_kv_blocks
         if blocks is None:
             tokens = min(config.kv_cache_tokens, config.max_num_seqs * self.max_model_len)
@@ -39,6 +40,8 @@ class LLMEngine:
         target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         self.pool = KVPool(blocks, config.block_size, target, proposer.cache_shape if proposer else None, param.dtype,
                            param.device, proposer.cache_dtype if proposer else None)
+        if proposer is not None:
+            proposer.bind(self.pool)
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
         models = StepModels(lm.model, proposer, self.pool,
@@ -70,7 +73,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=rid, prompt_ids=list(prompt_ids), params=params, stop_ids=stops,
             max_new_tokens=max_new,
-            speculate=speculate and self.draft is not None, seed=params.resolve_seed(),
+            speculate=speculate and self.proposer is not None, seed=params.resolve_seed(),
             stats=SpecStats(self.K), arrival=next(self._arrivals),
         )
         self.seqs[rid] = seq

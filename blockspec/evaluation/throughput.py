@@ -50,7 +50,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, speculat
     n = sum(len(o.token_ids) for o in outs)
     lens = [a for o in outs for a in o.acceptance_lengths]
     tau = sum(lens) / len(lens) if lens else None
-    mode = "spec" if speculate and llm.engine.draft is not None else "plain"
+    mode = "spec" if speculate and llm.engine.proposer is not None else "plain"
     return BenchResult(mode, len(prompts), n, dt, n / dt, tau), [o.token_ids for o in outs]
 
 

@@ -38,6 +38,15 @@ class KVPool:
         else:
             self.draft_k = self.draft_v = None
 
+    def draft_pool(self) -> KVPool:
+        """The proposer's K/V as a pool of its own (same slots, no copy): what the target-style attentions read as
+        `k` / `v` when a proposer's model is a decoder (a classic draft model) rather than the target."""
+        view = object.__new__(KVPool)
+        view.num_blocks, view.block_size = self.num_blocks, self.block_size
+        view.target_shape, view.draft_shape = self.draft_shape, None
+        view.k, view.v, view.draft_k, view.draft_v = self.draft_k, self.draft_v, None, None
+        return view
+
     @staticmethod
     def bytes_per_token(target: CacheShape, draft: CacheShape | None, dtype: torch.dtype,
                         draft_dtype: torch.dtype | None = None) -> int:

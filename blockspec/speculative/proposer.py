@@ -69,6 +69,9 @@ class Proposer(ABC):
     num_draft_tokens: int  # the K it was configured for (the most any step asks)
     probabilistic: bool  # drafts are sampled from its distribution (p/q rejection) instead of argmax
 
+    def bind(self, pool: KVPool) -> None:
+        """Allocate any per-slot state of its own besides the pool's proposer pages (called once, by the engine)."""
+
     def draft_rows(self, K: int) -> int:
         """Rows of one request's draft block when it proposes K drafts."""
         return K + 1
