@@ -10,7 +10,7 @@ from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch
                                  add_speculative_args, add_speed_args, build_llm, engine_config, speculative_config)
 
 # the flags the report repeats, under the names it has always used
-_REPORTED = {"model": "model", "draft": "draft_model", "num_prompts": "num_prompts", "prompt_len": "prompt_len",
+_REPORTED = {"model": "model", "draft": "draft_model", "speculative_method": "method", "ngram_max": "ngram_max", "num_prompts": "num_prompts", "prompt_len": "prompt_len",
              "max_tokens": "max_tokens", "max_batch_size": "max_num_seqs", "num_draft_tokens": "num_draft_tokens",
              "full_block_drafting": "full_block_drafting", "cpu_packed": "cpu_packed",
              "cpu_bf16_draft": "cpu_bf16_draft", "draft_vocab_size": "draft_vocab_size",
@@ -24,7 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_max_tokens(p, 64)
     add_max_batch_size(p, 8, "most requests decoded together")
     add_speculative_args(p, skip=["probabilistic_drafting"],
-                         draft_model={"help": "DFlash drafter; without it only the plain engine is timed"})
+                         draft_model={"help": "DFlash drafter (or draft model with --speculative-method draft-model); "
+                                                   "without it, and without --speculative-method ngram, only the "
+                                                   "plain engine is timed"})
     add_speed_args(p)
     add_device_args(p)
     p.add_argument("--json", action="store_true")
@@ -43,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
                         cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant)
         draft = None
         if spec is not None:
-            from blockspec.loading.draft_loader import load_draft
+            from blockspec.speculative.registry import load_proposer
 
-            draft = load_draft(spec, lm)
+            draft = load_proposer(spec, lm)
         prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
         report = bench(lm, draft, prompts, args.max_tokens, **engine_config(args))
     report["config"] = {key: getattr(args, dest) for key, dest in _REPORTED.items()}
@@ -73,7 +75,7 @@ def _bench_tensor_parallel(args: argparse.Namespace) -> dict:
         prompts = synthetic_prompts(llm.lm.config.vocab_size, args.num_prompts, args.prompt_len)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         plain = measure(llm, prompts, params, speculate=False)
-        spec = measure(llm, prompts, params) if args.draft_model is not None else None
+        spec = measure(llm, prompts, params) if llm.engine.proposer is not None else None
     finally:
         llm.close()
     return {**report(plain, spec), "tensor_parallel_size": args.tensor_parallel_size}

@@ -15,7 +15,8 @@ from blockspec.data.eval_prompts import EVAL_SETS
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     add_speculative_args(p, skip=["probabilistic_drafting"], draft_model={
-        "help": "DFlash drafter (default with the bundled target: the bundled drafter)"})
+        "help": "DFlash drafter, or a draft model with --speculative-method draft-model (default with the bundled "
+                "target and no --speculative-method ngram: the bundled drafter)"})
     p.add_argument("--dataset", required=True, choices=EVAL_SETS)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     add_max_tokens(p, 256, "new tokens per prompt")
@@ -55,7 +56,7 @@ def _table(r: dict) -> str:
     per_pos = "  ".join(f"{i}:{a:.2f}" for i, a in enumerate(r["per_position_acceptance"], 1))
     return "\n".join([
         f"eval-draft {r['dataset']}: {r['num_prompts']} prompts, max {r['max_tokens']} new tokens, "
-        f"temperature {r['temperature']}, K={r['num_draft_tokens']}"
+        f"temperature {r['temperature']}, {r.get('method', 'dflash')}, K={r['num_draft_tokens']}"
         f"{' (full-block drafting)' if r.get('full_block_drafting') else ''}{_draft_options(r)}, "
         f"batch {r['max_batch_size']}",
         f"{'':24s}{'spec':>12s}{'no-spec':>12s}",
@@ -79,28 +80,31 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.evaluation.eval_draft import evaluate_draft
     from blockspec.evaluation.plot import write_acceptance_png
     from blockspec.loading.bundled_draft import bundled_draft_path
-    from blockspec.loading.draft_loader import load_draft
     from blockspec.loading.loader import load_model
     from blockspec.sampling import SamplingParams
+    from blockspec.speculative.registry import load_proposer, method_of
 
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise BlockspecError(f"--max-batch-size must be >= 1, got {args.max_num_seqs}")
-    if args.draft_model is None and args.model is not None:
+    ngram = args.method == "ngram"  # prompt lookup: no drafter, none bundled to default to
+    if args.draft_model is None and args.model is not None and not ngram:
         raise BlockspecError("--model needs --draft (the bundled drafter is for the bundled target only)")
-    spec = speculative_config(args, draft=args.draft_model or str(bundled_draft_path()))
+    spec = speculative_config(args, draft=None if ngram else args.draft_model or str(bundled_draft_path()))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     texts = load_eval_prompts(args.dataset, args.limit)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
                     batch_invariant=args.batch_invariant)
-    draft = load_draft(spec, lm)
+    proposer = load_proposer(spec, lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
     batch = args.max_num_seqs or (8 if on_gpu else 1)
-    report = evaluate_draft(lm, draft, prompts, params, args.dataset, max_num_seqs=batch)
+    report = evaluate_draft(lm, proposer, prompts, params, args.dataset, max_num_seqs=batch)
     out_dir = Path(args.out_dir)
     png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
-                               f"{args.dataset}: {Path(spec.draft_model).name} on {lm.source.name}")
-    result = {**asdict(report), "model": lm.source.name, "draft": spec.draft_model, "max_tokens": args.max_tokens,
+                               f"{args.dataset}: {Path(spec.draft_model or proposer.name).name} on "
+                               f"{lm.source.name}")
+    result = {**asdict(report), "model": lm.source.name, "method": method_of(spec), "draft": spec.draft_model,
+              "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
               "full_block_drafting": args.full_block_drafting, "cpu_bf16_draft": args.cpu_bf16_draft,
               "cpu_packed": args.cpu_packed, "batch_invariant": args.batch_invariant,

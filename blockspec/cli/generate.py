@@ -18,9 +18,10 @@ from blockspec.engine.sequence import check_prompt
 from blockspec.errors import BlockspecError
 from blockspec.llm import LLM
 from blockspec.loading.detokenizer import IncrementalDecoder
-from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.proposer import Proposer
+from blockspec.speculative.registry import load_proposer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -49,14 +50,14 @@ def run(args: argparse.Namespace) -> int:
         return _run_tensor_parallel(args, params)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
                     batch_invariant=args.batch_invariant)
-    draft = load_draft(spec, lm) if spec is not None else None
+    draft = load_proposer(spec, lm) if spec is not None else None
     if args.prompts_file is not None:
         return _run_prompts_file(args, lm, draft, params)
     tok = lm.tokenizer
     prompt_ids = _prompt(args, tok, lm.source.name)
     # one request through the batched engine (the same step, and on CUDA the same graphs, as every other path), with
     # a KV pool just large enough for it
-    K = draft.spec.num_draft_tokens if draft is not None else 0
+    K = draft.num_draft_tokens if draft is not None else 0
     cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
     llm = LLM.from_loaded(lm, draft, max_num_seqs=1, num_kv_blocks=max(2, -(-cap // 16) + 1),
                           enforce_eager=args.enforce_eager)
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: LoadedDraft | None,
+def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer | None,
                       params: SamplingParams) -> int:
     tok = lm.tokenizer
     prompts, per_params = [], []
@@ -120,7 +121,7 @@ def _run_tensor_parallel(args: argparse.Namespace, params: SamplingParams) -> in
         elapsed = time.perf_counter() - t0
     finally:
         llm.close()
-    result = _result(llm.tokenizer, prompt, out, elapsed, args.draft_model is not None)
+    result = _result(llm.tokenizer, prompt, out, elapsed, llm.engine.proposer is not None)
     result["tensor_parallel_size"] = args.tensor_parallel_size
     _print_result(args, result, llm.tokenizer, streamed=False)
     return 0

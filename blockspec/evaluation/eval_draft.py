@@ -12,6 +12,8 @@ from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.proposer import Proposer
+from blockspec.speculative.registry import as_proposer
 from blockspec.speculative.stats import SpecStats
 
 
@@ -59,11 +61,12 @@ def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
     return stats
 
 
-def evaluate_draft(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]], params: SamplingParams,
+def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list[list[int]], params: SamplingParams,
                    dataset: str, max_num_seqs: int = 1, use_tqdm: bool = True) -> DraftEvalReport:
-    """Run `prompts` (token ids) through the engine without a drafter, then with `draft`, same settings. When
-    sampling, prompt i uses seed params.seed + i in both runs."""
-    k = draft.spec.num_draft_tokens
+    """Run `prompts` (token ids) through the engine without speculation, then with `draft` (any proposer, or a
+    loaded DFlash drafter), same settings. When sampling, prompt i uses seed params.seed + i in both runs."""
+    draft = as_proposer(draft)
+    k = draft.num_draft_tokens
     # room for every running request's prompt, response and verify window: nothing is preempted mid-measurement
     per_request = max(map(len, prompts)) + params.max_tokens + k + 1 + EngineConfig.block_size  # + page rounding
     kv = min(max_num_seqs, len(prompts)) * per_request

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.speculative.proposer import Proposer
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
 
@@ -63,7 +64,7 @@ def report(plain: Measured, spec: Measured | None) -> dict:
     return out
 
 
-def bench(lm: LoadedModel, draft: LoadedDraft | None, prompts: list[list[int]], max_tokens: int,
+def bench(lm: LoadedModel, draft: Proposer | LoadedDraft | None, prompts: list[list[int]], max_tokens: int,
           **engine_config) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     plain = measure(LLM.from_loaded(lm, None, **engine_config), prompts, params)

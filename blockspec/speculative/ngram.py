@@ -36,10 +36,12 @@ class NgramProposer(Proposer):
         return Proposal(lookup(hist, batch.start, batch.bonus, self.ngram_max, batch.num_draft_tokens))
 
     def tokens(self, batch: DraftBatch, block_size: int) -> torch.Tensor:
-        """[B, T] each request's token ids by position (T = block-table columns x block_size): the committed ones,
-        the bonus at its position, -1 after it (never equal to a token, so nothing matches there)."""
-        pos = torch.arange(batch.block_tables.shape[1] * block_size, device=batch.bonus.device)
-        slots = batch.block_tables[:, pos // block_size] * block_size + pos % block_size
+        """[B, T] each request's token ids by position: the committed ones, the bonus at its position, -1 after it
+        (never equal to a token, so nothing matches there). T = block-table columns x block_size + 1: the bonus may
+        sit at the first position of a block not allocated yet."""
+        W = batch.block_tables.shape[1]
+        pos = torch.arange(W * block_size + 1, device=batch.bonus.device)
+        slots = batch.block_tables[:, (pos // block_size).clamp_max(W - 1)] * block_size + pos % block_size
         start = batch.start[:, None]
         return torch.where(pos < start, self.history[slots], torch.where(pos == start, batch.bonus[:, None], -1))
 
