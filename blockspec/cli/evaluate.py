@@ -56,7 +56,8 @@ def _table(r: dict) -> str:
     per_pos = "  ".join(f"{i}:{a:.2f}" for i, a in enumerate(r["per_position_acceptance"], 1))
     return "\n".join([
         f"eval-draft {r['dataset']}: {r['num_prompts']} prompts, max {r['max_tokens']} new tokens, "
-        f"temperature {r['temperature']}, {r.get('method', 'dflash')}, K={r['num_draft_tokens']}"
+        f"temperature {r['temperature']}, {'' if r['method'] == 'dflash' else r['method'] + ', '}"
+        f"K={r['num_draft_tokens']}"
         f"{' (full-block drafting)' if r.get('full_block_drafting') else ''}{_draft_options(r)}, "
         f"batch {r['max_batch_size']}",
         f"{'':24s}{'spec':>12s}{'no-spec':>12s}",
