@@ -75,8 +75,9 @@ class SpeculativeConfig:
                 if getattr(self, name) not in (None, False):
                     raise ConfigError(f"{name}={getattr(self, name)!r} applies to DFlash drafters only, not to "
                                       f"method {self.method!r}", field=name)
-        if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1):
-            raise ConfigError(f"num_draft_tokens={self.num_draft_tokens!r} must be an integer >= 1")
+        k = self.num_draft_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"num_draft_tokens={k!r} must be an integer >= 1", field="num_draft_tokens")
         if self.target_layer_ids is not None and (
             not self.target_layer_ids or any(not isinstance(i, int) or i < 0 for i in self.target_layer_ids)
         ):

@@ -24,6 +24,9 @@ def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
 
 
 def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
+    if spec.num_draft_tokens is None:  # before any weight is read
+        raise ConfigError("num_draft_tokens is required with method 'draft-model' (K drafts per step, e.g. 4)",
+                          field="num_draft_tokens")
     param = next(target.model.parameters())
     draft = load_model(spec.draft_model, device=str(param.device), dtype=str(param.dtype).removeprefix("torch."),
                        with_tokenizer=False, cpu_packed=target.cpu_packed)
@@ -31,9 +34,6 @@ def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
         raise ConfigError(f"{spec.draft_model}: draft model vocab_size={draft.config.vocab_size} differs from the "
                           f"target's vocab_size={target.config.vocab_size}; a draft model must share the target's "
                           f"tokenizer", field="draft_model")
-    if spec.num_draft_tokens is None:
-        raise ConfigError("num_draft_tokens is required with method 'draft-model' (K drafts per step, e.g. 4)",
-                          field="num_draft_tokens")
     return DraftModelProposer(draft, spec.num_draft_tokens)
 
 
