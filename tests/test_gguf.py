@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
 from blockspec.errors import ModelLoadError
@@ -48,6 +48,9 @@ def test_every_supported_type_dequantizes_exactly(tmp_path: Path) -> None:
         ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", dense(FF, H).astype(np.float16), None),
         ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", dense(H, FF), None),
         ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", dense(0, H), None),
+        # Q5_0 / Q5_1: most tensors of the registry's Qwen2.5-Coder-0.5B-Instruct Q4_K_M file are Q5_0
+        ("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", quantize(dense(H, H), QT.Q5_0), QT.Q5_0),
+        ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight", quantize(dense(64, H), QT.Q5_1), QT.Q5_1),
     ]
     f = write_gguf(tmp_path / "types.gguf", "qwen2", _qwen2_meta(), [(n, a, q) for n, _, a, q in cases])
     g = read_gguf(f)
@@ -180,9 +183,10 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
-    q = quantize(np.ones((V, H), np.float32), QT.Q5_0)
-    f = write_gguf(tmp_path / "q.gguf", "qwen2", _qwen2_meta(), [("token_embd.weight", q, QT.Q5_0)])
-    with pytest.raises(ModelLoadError, match=r"q\.gguf.*'token_embd\.weight'.*Q5_0"):
+    block, size = GGML_QUANT_SIZES[QT.IQ4_NL]  # an i-quant: not one the loader reads
+    q = np.zeros((V, H // block * size), np.uint8)
+    f = write_gguf(tmp_path / "q.gguf", "qwen2", _qwen2_meta(), [("token_embd.weight", q, QT.IQ4_NL)])
+    with pytest.raises(ModelLoadError, match=r"q\.gguf.*'token_embd\.weight'.*IQ4_NL"):
         read_gguf(f)
 
 
