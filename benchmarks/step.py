@@ -1,12 +1,14 @@
 """Step benchmark on the GPU, in one run: the engine's own decode step (`engine.runner.decode`, replayed from its
 CUDA graph) for plain AR decoding and for DFlash spec decoding (verify B x (K+1) + accept + context append + next
 drafts), on a Qwen3-8B-shaped bf16 target with random weights and a 5-layer block-16 drafter, against
-  - the weight-read floor: weight bytes / copy bandwidth measured in the same run;
+  - the floor: the bytes a step must read (benchmarks/parts.py, FLOOR_DEFINITION: the matrices it multiplies, the
+    embedding rows it gathers, the K/V it attends; per batch and context) / copy bandwidth measured in the same run;
   - HF transformers `generate` on identical weights (batch 1);
 plus a per-part breakdown (GEMMs / attention / other kernels / gaps), end-to-end tokens/s through LLMEngine with a
 forced acceptance length (benchmark-only), and a bf16 greedy comparison with HF (first divergences and their
 top-2 logit gaps). Usage: python -m benchmarks.step --out docs/perf/step_bench.json
-(--batch-invariant: only the step table, as usual and then with the target batch-invariant, for that mode's cost)"""
+(--batch-invariant: only the step table, as usual and then with the target batch-invariant, for that mode's cost;
+--recompute-floor FILE...: the floor fields of recorded runs, from their own step times and copy bandwidth)"""
 
 from __future__ import annotations
 
@@ -18,19 +20,23 @@ import time
 
 import torch
 
+from benchmarks.parts import apply_floor, with_floor
 from benchmarks.random_pair import make_pair
-from blockspec.config import EngineConfig
+from blockspec.config import EngineConfig, ResolvedSpec
 from blockspec.engine.decode_step import DecodeBuffers
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.loading.draft_loader import LoadedDraft
-from blockspec.loading.loader import LoadedModel
+from blockspec.loading.loader import LoadedModel, instantiate
+from blockspec.models.config import ModelConfig
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.dflash_config import DFlashConfig
 from blockspec.sampling import SamplingParams, SamplingRows
 from blockspec.speculative.acceptance import ForcedAcceptance
 
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                 rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False)
-MASK, TAPS = 151669, [1, 9, 17, 25, 33]
+MASK, TAPS, DRAFT_LAYERS = 151669, [1, 9, 17, 25, 33], 5
 
 
 def time_ms(fn, iters: int) -> float:
@@ -156,6 +162,40 @@ def greedy_vs_hf(lm: LoadedModel, draft: LoadedDraft, hf, n_prompts: int = 8, n:
             "all_spec_equal_to_plain": all(r["spec_equal_to_plain"] for r in rows)}
 
 
+def meta_pair(K: int) -> tuple[LoadedModel, LoadedDraft]:
+    """The benchmark's target and drafter on the meta device: their shapes and dtypes without memory, for the floor
+    of a recorded run (make_pair draws random weights, which the meta device cannot)."""
+    meta, cfg = torch.device("meta"), ModelConfig.from_hf({**QWEN3_8B, "dtype": "bfloat16"})
+    dcfg = DFlashConfig.from_hf({**QWEN3_8B, "architectures": ["DFlashDraftModel"], "num_hidden_layers": DRAFT_LAYERS,
+                                 "block_size": 16, "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TAPS}},
+                                "bench")
+    with meta:
+        draft = DFlashDraftModel(dcfg, num_taps=len(TAPS)).to(torch.bfloat16)
+    lm = LoadedModel(instantiate(cfg, meta, torch.bfloat16), cfg, None, [], None)  # type: ignore[arg-type]
+    return lm, LoadedDraft(draft, dcfg, ResolvedSpec(K, MASK, TAPS, 16, False))
+
+
+def recompute_floor(path: str) -> None:
+    """Rewrite a recorded run's floor fields from its own step times and copy bandwidth (the floor as run is kept
+    under `floor_as_run`)."""
+    with open(path) as f:
+        report = json.load(f)
+    K = report["table"][0]["K"]
+    lm, draft = meta_pair(K)
+    as_run = report.get("floor_as_run") or {
+        "definition": "all target parameters (the input embedding table included); spec: + drafter + lm_head again; "
+                      "no K/V",
+        "floor_ms_bs1": report["floor_ms_bs1"], "spec_floor_ms_bs1": report["spec_floor_ms_bs1"]}
+    if "copy_bandwidth_GBps" in report:
+        bw = report["copy_bandwidth_GBps"] * 1e9
+    else:  # the old floor was all target parameters over the bandwidth
+        bw = sum(p.numel() * p.element_size() for p in lm.model.parameters()) / (as_run["floor_ms_bs1"] / 1e3)
+    out = apply_floor({**report, "floor_as_run": as_run}, lm, draft, bw)
+    out["floor_recomputed"] = "recomputed from the run's step times and copy bandwidth with the corrected floor"
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="step_bench.json")
@@ -166,13 +206,17 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="only the step table, first as usual, then with the target batch-invariant "
                          "(layers/invariant_linear.py): what that mode costs, from one run")
+    ap.add_argument("--recompute-floor", nargs="+", metavar="JSON", help="no GPU run: rewrite the floor fields of "
+                    "these recorded runs from their step times and copy bandwidth")
     args = ap.parse_args()
+    if args.recompute_floor:
+        for path in args.recompute_floor:
+            recompute_floor(path)
+        return
     bw = copy_bandwidth()
-    lm, draft = make_pair(QWEN3_8B, args.K, 5, TAPS, MASK, torch.device("cuda"), torch.bfloat16)
+    lm, draft = make_pair(QWEN3_8B, args.K, DRAFT_LAYERS, TAPS, MASK, torch.device("cuda"), torch.bfloat16)
     t_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     d_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
-    head = lm.model.lm_head.weight.numel() * lm.model.lm_head.weight.element_size()
-    floor_ms, spec_floor_ms = t_bytes / bw * 1e3, (t_bytes + d_bytes + head) / bw * 1e3
 
     def table(lm: LoadedModel) -> tuple[list[dict], dict]:
         rows, parts = [], {}
@@ -184,16 +228,17 @@ def main() -> None:
                 free_memory()
                 if ar_parts:
                     parts = {"ar": ar_parts, "spec": spec_parts}
-                r = {"batch": B, "context": ctx, "K": args.K, "ar_step_ms": ar, "spec_step_ms": spec,
-                     "ar_eager_ms": ar_eager, "spec_eager_ms": spec_eager, "spec_over_ar": spec / ar,
-                     "ar_ratio_to_floor": ar / floor_ms, "spec_ratio_to_floor": spec / spec_floor_ms,
-                     "batch_invariant": lm.batch_invariant}
+                r = with_floor({"batch": B, "context": ctx, "K": args.K, "ar_step_ms": ar, "spec_step_ms": spec,
+                                "ar_eager_ms": ar_eager, "spec_eager_ms": spec_eager, "spec_over_ar": spec / ar,
+                                "batch_invariant": lm.batch_invariant}, lm, draft, bw)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
         print(json.dumps(parts, indent=1), flush=True)
         return rows, parts
 
     rows, parts = table(lm)
+    base = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9,
+            "target_weight_bytes": t_bytes, "draft_weight_bytes": d_bytes}
     if args.batch_invariant:
         from dataclasses import replace
 
@@ -202,9 +247,9 @@ def main() -> None:
         make_batch_invariant(lm.model)
         inv_rows, inv_parts = table(replace(lm, batch_invariant=True))
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "floor_ms_bs1": floor_ms,
-                       "spec_floor_ms_bs1": spec_floor_ms, "table": rows, "table_batch_invariant": inv_rows,
-                       "breakdown_bs1_ctx1k": parts, "breakdown_bs1_ctx1k_batch_invariant": inv_parts}, f, indent=1)
+            json.dump(apply_floor({**base, "table": rows, "table_batch_invariant": inv_rows,
+                                   "breakdown_bs1_ctx1k": parts, "breakdown_bs1_ctx1k_batch_invariant": inv_parts},
+                                  lm, draft, bw), f, indent=1)
         return
     free_memory()
     e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 16)]
@@ -220,14 +265,10 @@ def main() -> None:
     greedy = greedy_vs_hf(lm, draft, hf)
     print(json.dumps(greedy), flush=True)
     bs1 = next(r for r in rows if r["batch"] == 1 and r["context"] == 1024)
-    report = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9,
-        "target_weight_bytes": t_bytes, "draft_weight_bytes": d_bytes, "floor_ms_bs1": floor_ms,
-        "spec_floor_ms_bs1": spec_floor_ms, "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"],
-        "hf_ar_step_ms_bs1": hf_ms, "ar_ratio_to_floor_bs1": bs1["ar_step_ms"] / floor_ms,
-        "spec_ratio_to_floor_bs1": bs1["spec_step_ms"] / spec_floor_ms, "ar_speedup_vs_hf_bs1": hf_ms / bs1["ar_step_ms"],
-        "breakdown_bs1_ctx1k": parts, "end_to_end": e2e, "greedy_vs_hf_bf16": greedy, "table": rows,
-    }
+    report = apply_floor({
+        **base, "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"],
+        "hf_ar_step_ms_bs1": hf_ms, "ar_speedup_vs_hf_bs1": hf_ms / bs1["ar_step_ms"], "breakdown_bs1_ctx1k": parts,
+        "end_to_end": e2e, "greedy_vs_hf_bf16": greedy, "table": rows}, lm, draft, bw)
     print(json.dumps({k: v for k, v in report.items() if k not in ("table", "end_to_end", "greedy_vs_hf_bf16")}, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -20,7 +20,7 @@ from oracles import generate
 from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_packed import PackedLinear, pack_linears, pack_target
 from blockspec.llm import LLM
-from blockspec.loading import draft_loader
+from blockspec.speculative import registry
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
 from blockspec.models.qkv import PackedContextKV
@@ -129,7 +129,7 @@ def test_cli_generate_and_bench_flags(tmp_path, capsys, monkeypatch):
     bench = ["bench", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--num-draft-tokens", "3",
              "--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "8", "--device", "cpu", "--json"]
     drafts = []  # what bench's load_draft returned: the flags must reach the drafter
-    monkeypatch.setattr(draft_loader, "load_draft", lambda *a, f=load_draft: drafts.append(f(*a)) or drafts[-1])
+    monkeypatch.setattr(registry, "load_draft", lambda *a, f=load_draft: drafts.append(f(*a)) or drafts[-1])
     extra = ["--cpu-bf16-draft"] if bf16_cpu else []
     assert main(bench + ["--cpu-packed", "--full-block-drafting", "--draft-vocab-size", "64", *extra]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

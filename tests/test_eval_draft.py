@@ -1,11 +1,13 @@
 """`blockspec eval-draft` on a tiny trained target + drafter (tests/trained_pair.py) given a word-level tokenizer and a
 chat template: the JSON report's acceptance numbers equal those of the single-request reference loop
-(the dense oracle, tests/oracles.py) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written."""
+(the dense oracle, tests/oracles.py) on the same templated prompts, outputs equal plain greedy decoding, and the PNG is written;
+`blockspec bench` on the same pair times the chat-templated prompts of a shipped evaluation set."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import struct
 from collections import Counter
 from pathlib import Path
@@ -100,6 +102,13 @@ def test_eval_draft_json_matches_reference_loop(pair_dirs, tmp_path, capsys):
     assert report["acceptance_histogram"] == [counts[n] for n in range(1, k + 2)]
     assert report["mean_acceptance_length"] > 1.5  # the drafter predicts the cycle (measured 1.81)
     assert report["speedup"] == pytest.approx(report["tokens_per_second"] / report["baseline_tokens_per_second"])
+    # timed twice per mode, alternating, on warmed engines: the medians, each run, and the range they span
+    assert report["timing_order"] == ["plain", "spec", "spec", "plain"]
+    assert report["time_s"] == pytest.approx(statistics.median(report["runs_time_s"]))
+    assert report["baseline_time_s"] == pytest.approx(statistics.median(report["baseline_runs_time_s"]))
+    assert len(report["runs_time_s"]) == len(report["baseline_runs_time_s"]) == 2
+    lo, hi = report["speedup_range"]
+    assert lo <= report["speedup"] <= hi and report["time_spread"] >= 0 and report["baseline_time_spread"] >= 0
 
     png = Path(report["png"]).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
@@ -111,12 +120,15 @@ def test_eval_draft_table(pair_dirs, tmp_path, capsys):
     target, draft_dir = pair_dirs
     rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "gsm8k",
                               "--limit", "2", "--max-tokens", "8", "--num-draft-tokens", "3",
-                              "--out-dir", str(tmp_path))
+                              "--out-dir", str(tmp_path), "--repeats", "1", "--first", "spec")
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0] == "eval-draft gsm8k: 2 prompts, max 8 new tokens, temperature 0.0, K=3, batch 1"
     assert lines[-2] == "outputs identical to no-spec: True"
-    assert any(line.startswith("speedup: ") for line in lines)
+    (speedup,) = [line for line in lines if line.startswith("speedup: ")]
+    assert speedup.endswith("x (one run each, warmed up: spec no-spec)")
+    report = json.loads((tmp_path / "gsm8k-report.json").read_text())
+    assert report["timing_order"] == ["spec", "plain"] and len(report["runs_time_s"]) == 1
     assert lines[-1] == f"acceptance plot: {tmp_path}/gsm8k-acceptance.png   report: {tmp_path}/gsm8k-report.json"
     assert (tmp_path / "gsm8k-acceptance.png").is_file()
 
@@ -206,3 +218,29 @@ def _table_header(report: dict) -> str:
     from blockspec.cli.evaluate import _table
 
     return _table(report).splitlines()[0]
+
+
+def test_bench_times_the_first_humaneval_prompts_with_the_chat_template(pair_dirs, capsys, monkeypatch):
+    import blockspec.evaluation.throughput as throughput
+
+    target, draft_dir = pair_dirs
+    timed: list[list[list[int]]] = []
+    bench = throughput.bench
+    monkeypatch.setattr(throughput, "bench", lambda lm, d, p, *a, **k: timed.append(p) or bench(lm, d, p, *a, **k))
+    args = ["bench", "--model", str(target), "--draft", str(draft_dir), "--num-prompts", "3", "--max-tokens", "8",
+            "--device", "cpu"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "prompts: the first 3 of humaneval (chat template)"
+    assert lines[-1] == "run order: plain spec spec plain (each run on an engine warmed up first)"
+    assert main(args + ["--prompts", "mtbench", "--first", "spec", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == {"set": "mtbench", "random_tokens": False, "num_prompts": 3, "chat_template": True}
+    assert report["timing"] == {"order": ["spec", "plain"]} and report["config"]["prompts"] == "mtbench"
+    assert report["outputs_identical"] is True and report["spec"]["mean_acceptance_length"] > 1.0
+    tok = load_model(str(target), device="cpu").tokenizer
+    assert timed == [[tok.apply_chat_template([{"role": "user", "content": text}])
+                      for text in load_eval_prompts(name, 3)] for name in ("humaneval", "mtbench")]
+    assert main(["bench", "--model", str(target), "--num-prompts", "165", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("blockspec: error: --num-prompts 165: humaneval has 164 prompts (repeats would "
+                                       "be prefix-cache hits)\n")

@@ -1,26 +1,48 @@
-"""`blockspec bench`: offline throughput on synthetic prompts, plain and (with --draft) speculative, one run each;
---tensor-parallel-size N times one engine served by N ranks."""
+"""`blockspec bench`: offline throughput, plain and (with --draft) speculative, on the first prompts of a shipped
+evaluation set (default HumanEval, chat template applied when the model has one) or on random token ids (labelled
+so: they overstate tau and the speedup); timed as evaluation/throughput.py times (warmed engines, alternating runs,
+medians). --tensor-parallel-size N times one engine served by N ranks."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_speculative_args, add_speed_args, build_llm, engine_config, speculative_config)
+from blockspec.data.eval_prompts import EVAL_SETS
+
+if TYPE_CHECKING:
+    from blockspec.loading.loader import LoadedModel
+    from blockspec.sampling import SamplingParams
+
+RANDOM, RANDOM_LEN = "random", 64
 
 # the flags the report repeats, under the names it has always used
-_REPORTED = {"model": "model", "draft": "draft_model", "speculative_method": "method", "ngram_max": "ngram_max", "num_prompts": "num_prompts", "prompt_len": "prompt_len",
+_REPORTED = {"model": "model", "draft": "draft_model", "speculative_method": "method", "ngram_max": "ngram_max",
+             "prompts": "prompts", "num_prompts": "num_prompts", "prompt_len": "prompt_len",
              "max_tokens": "max_tokens", "max_batch_size": "max_num_seqs", "num_draft_tokens": "num_draft_tokens",
              "full_block_drafting": "full_block_drafting", "cpu_packed": "cpu_packed",
              "cpu_bf16_draft": "cpu_bf16_draft", "draft_vocab_size": "draft_vocab_size",
-             "batch_invariant": "batch_invariant"}
+             "batch_invariant": "batch_invariant", "repeats": "repeats", "first": "first"}
+
+
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    """--repeats and --first: how many timed runs per mode, and which mode leads the alternating order."""
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per mode, alternating plain, spec, spec, plain, ...; the medians are reported "
+                        "(default 2)")
+    p.add_argument("--first", default="plain", choices=["plain", "spec"], help="the mode that runs first")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
+    p.add_argument("--prompts", default=None, choices=[*EVAL_SETS, RANDOM],
+                   help="the first --num-prompts prompts of a shipped evaluation set, or random token ids (synthetic: "
+                        "they overstate tau and the speedup) (default: humaneval; random when --prompt-len is given)")
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=None, help=f"tokens per random prompt (default {RANDOM_LEN})")
     add_max_tokens(p, 64)
     add_max_batch_size(p, 8, "most requests decoded together")
     add_speculative_args(p, skip=["probabilistic_drafting"],
@@ -28,54 +50,112 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                    "without it, and without --speculative-method ngram, only the "
                                                    "plain engine is timed"})
     add_speed_args(p)
+    add_timing_args(p)
     add_device_args(p)
     p.add_argument("--json", action="store_true")
     add_engine_args(p, ["enforce_eager", "tensor_parallel_size"])
 
 
+def prompt_set(args: argparse.Namespace) -> str:
+    """--prompts, resolved: --prompt-len alone means random prompts (as bench always took them)."""
+    from blockspec.errors import BlockspecError
+
+    chosen = args.prompts or (RANDOM if args.prompt_len is not None else "humaneval")
+    if chosen != RANDOM and args.prompt_len is not None:
+        raise BlockspecError(f"--prompt-len is the length of --prompts random prompts; {chosen} prompts keep their own")
+    if args.num_prompts < 1:
+        raise BlockspecError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    return chosen
+
+
+def bench_prompts(lm: LoadedModel, args: argparse.Namespace, chosen: str) -> tuple[list[list[int]], dict]:
+    """Token ids of the prompts bench times, and what they are (the report's `prompts`)."""
+    from blockspec.errors import BlockspecError
+
+    if chosen == RANDOM:
+        from blockspec.evaluation.throughput import synthetic_prompts
+
+        length = args.prompt_len or RANDOM_LEN
+        return (synthetic_prompts(lm.config.vocab_size, args.num_prompts, length),
+                {"set": RANDOM, "random_tokens": True, "num_prompts": args.num_prompts, "prompt_len": length})
+    from blockspec.data.builder import encode_prompts
+    from blockspec.data.eval_prompts import load_eval_prompts
+
+    texts = load_eval_prompts(chosen)
+    if args.num_prompts > len(texts):
+        raise BlockspecError(f"--num-prompts {args.num_prompts}: {chosen} has {len(texts)} prompts (repeats would be "
+                             f"prefix-cache hits)")
+    if lm.tokenizer is None:
+        raise BlockspecError(f"{lm.source.name} has no tokenizer to encode {chosen} prompts: pass --prompts random")
+    chat = lm.tokenizer.has_chat_template
+    return (encode_prompts(lm, texts[: args.num_prompts], chat=chat),
+            {"set": chosen, "random_tokens": False, "num_prompts": args.num_prompts, "chat_template": chat})
+
+
+def _params(described: dict, max_tokens: int) -> SamplingParams:
+    from blockspec.sampling import SamplingParams
+
+    # an end-of-text token means nothing in random prompts; real answers stop there, as when served
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=described["random_tokens"])
+
+
 def run(args: argparse.Namespace) -> int:
     spec = speculative_config(args)
+    chosen = prompt_set(args)
     if args.tensor_parallel_size > 1:
-        report = _bench_tensor_parallel(args)
+        report = _bench_tensor_parallel(args, chosen)
     else:
-        from blockspec.evaluation.throughput import bench, synthetic_prompts
+        from blockspec.evaluation.throughput import bench
         from blockspec.loading.loader import load_model
 
-        lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=False,
+        lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=chosen != RANDOM,
                         cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant)
         draft = None
         if spec is not None:
             from blockspec.speculative.registry import load_proposer
 
             draft = load_proposer(spec, lm)
-        prompts = synthetic_prompts(lm.config.vocab_size, args.num_prompts, args.prompt_len)
-        report = bench(lm, draft, prompts, args.max_tokens, **engine_config(args))
-    report["config"] = {key: getattr(args, dest) for key, dest in _REPORTED.items()}
-    if args.json:
-        print(json.dumps(report))
-        return 0
+        prompts, described = bench_prompts(lm, args, chosen)
+        report = bench(lm, draft, prompts, _params(described, args.max_tokens), args.repeats, args.first,
+                       **engine_config(args))
+        report["prompts"] = described
+    report["config"] = {**{key: getattr(args, dest) for key, dest in _REPORTED.items()}, "prompts": chosen}
+    print(json.dumps(report) if args.json else _text(report))
+    return 0
+
+
+def _text(report: dict) -> str:
+    p = report["prompts"]
+    lines = [f"prompts: {p['num_prompts']} RANDOM-TOKEN prompts of {p['prompt_len']} tokens (synthetic: tau and "
+             f"speedup overstate real text)" if p["random_tokens"] else
+             f"prompts: the first {p['num_prompts']} of {p['set']}"
+             f"{' (chat template)' if p['chat_template'] else ''}"]
     for mode in ("plain", "spec"):
         if mode in report:
             r = report[mode]
             tau = f", tau {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else ""
-            print(f"{mode:5s}: {r['generated_tokens']} tokens in {r['time_s']:.2f}s = {r['tokens_per_second']:.1f} "
-                  f"tok/s{tau}")
+            lines.append(f"{mode:5s}: {r['generated_tokens']} tokens in {r['time_s']:.2f}s = "
+                         f"{r['tokens_per_second']:.1f} tok/s{tau} (median of {len(r['runs_time_s'])} runs, spread "
+                         f"{r['time_spread']:.0%})")
     if "speedup" in report:
-        print(f"speedup spec/plain: {report['speedup']:.2f}x (outputs identical: {report['outputs_identical']})")
-    return 0
+        lo, hi = report["speedup_range"]
+        lines.append(f"speedup spec/plain: {report['speedup']:.2f}x (range {lo:.2f}-{hi:.2f}x; outputs identical: "
+                     f"{report['outputs_identical']})")
+    lines.append(f"run order: {' '.join(report['timing']['order'])} (each run on an engine warmed up first)")
+    return "\n".join(lines)
 
 
-def _bench_tensor_parallel(args: argparse.Namespace) -> dict:
-    """Plain and (with --draft) speculative throughput of one tensor-parallel engine, as the one-device run reports."""
-    from blockspec.evaluation.throughput import measure, report, synthetic_prompts
-    from blockspec.sampling import SamplingParams
+def _bench_tensor_parallel(args: argparse.Namespace, chosen: str) -> dict:
+    """Plain and (with --draft) speculative throughput of one tensor-parallel engine, as the one-device run reports.
+    The one engine times every run, so its prefix cache is off: a repeated run's prefill would be a cache hit."""
+    from blockspec.evaluation.throughput import interleaved, report, run_order
 
-    llm = build_llm(args)
+    llm = build_llm(argparse.Namespace(**{**vars(args), "enable_prefix_caching": False}))
     try:
-        prompts = synthetic_prompts(llm.lm.config.vocab_size, args.num_prompts, args.prompt_len)
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        plain = measure(llm, prompts, params, speculate=False)
-        spec = measure(llm, prompts, params) if llm.engine.proposer is not None else None
+        prompts, described = bench_prompts(llm.lm, args, chosen)
+        order = run_order(args.first, args.repeats, llm.engine.proposer is not None)
+        runs = interleaved(lambda mode: llm, prompts, _params(described, args.max_tokens), order)
     finally:
         llm.close()
-    return {**report(plain, spec), "tensor_parallel_size": args.tensor_parallel_size}
+    return {**report(runs, order), "prompts": {**described, "prefix_caching": False},
+            "tensor_parallel_size": args.tensor_parallel_size}

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from blockspec.cli.bench import add_timing_args
 from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
                                  add_speculative_args, add_speed_args, speculative_config)
 from blockspec.data.eval_prompts import EVAL_SETS
@@ -24,6 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_speed_args(p)
     add_max_batch_size(p, None, "requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_timing_args(p)
     add_device_args(p)
     p.add_argument("--out-dir", default="eval-draft", help="where the PNG and the JSON report go")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (the last stdout line)")
@@ -51,6 +53,16 @@ def _draft_options(r: dict) -> str:
     return f" ({', '.join(opts)})" if opts else ""
 
 
+def _timing(r: dict) -> str:
+    """How the speedup was timed: the runs' order, and over several runs each the range and the spreads."""
+    order = " ".join("no-spec" if m == "plain" else m for m in r["timing_order"])
+    if len(r["timing_order"]) <= 2:
+        return f" (one run each, warmed up: {order})"
+    lo, hi = r["speedup_range"]
+    return (f" (medians of {len(r['runs_time_s'])} runs each, warmed up: {order}; range {lo:.2f}-{hi:.2f}x, "
+            f"spread spec {r['time_spread']:.0%} / no-spec {r['baseline_time_spread']:.0%})")
+
+
 def _table(r: dict) -> str:
     tau = r["mean_acceptance_length"]
     per_pos = "  ".join(f"{i}:{a:.2f}" for i, a in enumerate(r["per_position_acceptance"], 1))
@@ -64,7 +76,7 @@ def _table(r: dict) -> str:
         f"{'generated tokens':24s}{r['generated_tokens']:12d}{r['baseline_generated_tokens']:12d}",
         f"{'time (s)':24s}{r['time_s']:12.2f}{r['baseline_time_s']:12.2f}",
         f"{'tokens/s':24s}{r['tokens_per_second']:12.1f}{r['baseline_tokens_per_second']:12.1f}",
-        f"speedup: {r['speedup']:.2f}x",
+        f"speedup: {r['speedup']:.2f}x" + _timing(r),
         f"tau (mean acceptance length): {tau:.2f} over {r['num_verify_steps']} verify steps" if tau is not None
         else "tau: no verify steps",
         f"per-position acceptance: {per_pos}",
@@ -99,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
     batch = args.max_num_seqs or (8 if on_gpu else 1)
-    report = evaluate_draft(lm, proposer, prompts, params, args.dataset, max_num_seqs=batch)
+    report = evaluate_draft(lm, proposer, prompts, params, args.dataset, max_num_seqs=batch, repeats=args.repeats,
+                            first=args.first)
     out_dir = Path(args.out_dir)
     png = write_acceptance_png(report, out_dir / f"{args.dataset}-acceptance.png",
                                f"{args.dataset}: {Path(spec.draft_model or proposer.name).name} on "

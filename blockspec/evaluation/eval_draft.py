@@ -1,12 +1,12 @@
-"""Measure a drafter on prompts: acceptance (tau, per position, histogram) and speed against plain decoding, from
-one run of each through the batched engine."""
+"""Measure a drafter on prompts: acceptance (tau, per position, histogram) and speed against plain decoding through the
+batched engine, timed as evaluation/throughput.py times (warmed engines, alternating runs, medians)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from blockspec.evaluation.throughput import timed_generate
 from blockspec.config import EngineConfig
+from blockspec.evaluation.throughput import interleaved, run_order, speedup_range
 from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
@@ -27,10 +27,10 @@ class DraftEvalReport:
     acceptance_histogram: list[int]  # [K + 1]: verify steps that emitted 1, 2, ..., K + 1 tokens
     num_verify_steps: int
     generated_tokens: int
-    time_s: float
-    tokens_per_second: float
+    time_s: float  # median over the spec runs
+    tokens_per_second: float  # generated_tokens / time_s
     baseline_generated_tokens: int
-    baseline_time_s: float
+    baseline_time_s: float  # median over the plain runs
     baseline_tokens_per_second: float
     speedup: float  # tokens_per_second / baseline_tokens_per_second
     outputs_identical: bool | None  # spec output == plain output for every prompt (None when sampling)
@@ -40,6 +40,14 @@ class DraftEvalReport:
     # [num_prompts] tau of each prompt in input order (where a drafter is weak: e.g. MT-Bench per category); None
     # for a prompt that had no verify step
     per_prompt_acceptance: list[float | None] | None = None
+    # the timing (evaluation/throughput.py): the modes in the order their runs ran, each run's wall time in that
+    # order, (slowest - fastest) / median per mode, and the speedup's range over the runs
+    timing_order: list[str] | None = None
+    runs_time_s: list[float] | None = None
+    baseline_runs_time_s: list[float] | None = None
+    time_spread: float | None = None
+    baseline_time_spread: float | None = None
+    speedup_range: list[float] | None = None
 
 
 def divergences(spec: list[list[int]], plain: list[list[int]]) -> list[dict[str, int]]:
@@ -62,9 +70,11 @@ def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
 
 
 def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list[list[int]], params: SamplingParams,
-                   dataset: str, max_num_seqs: int = 1, use_tqdm: bool = True) -> DraftEvalReport:
-    """Run `prompts` (token ids) through the engine without speculation, then with `draft` (any proposer, or a
-    loaded DFlash drafter), same settings. When sampling, prompt i uses seed params.seed + i in both runs."""
+                   dataset: str, max_num_seqs: int = 1, use_tqdm: bool = True, repeats: int = 2,
+                   first: str = "plain") -> DraftEvalReport:
+    """Run `prompts` (token ids) through the engine without speculation and with `draft` (any proposer, or a loaded
+    DFlash drafter), same settings, `repeats` times each, alternating which mode runs first (`first` leads). When
+    sampling, prompt i uses seed params.seed + i in every run."""
     draft = as_proposer(draft)
     k = draft.num_draft_tokens
     # room for every running request's prompt, response and verify window: nothing is preempted mid-measurement
@@ -74,22 +84,27 @@ def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list
                   max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)))
     per_prompt = params if params.greedy else [replace(params, seed=(params.seed or 0) + i)
                                                for i in range(len(prompts))]
-    plain, plain_s = timed_generate(LLM.from_loaded(lm, None, **engine), prompts, per_prompt, use_tqdm)
-    spec, spec_s = timed_generate(LLM.from_loaded(lm, draft, **engine), prompts, per_prompt, use_tqdm)
+    order = run_order(first, repeats)
+    runs = interleaved(lambda mode: LLM.from_loaded(lm, draft if mode == "spec" else None, **engine), prompts,
+                       per_prompt, order, use_tqdm)
+    spec_runs, plain_runs = runs["spec"], runs["plain"]
+    spec, plain = spec_runs.outputs, plain_runs.outputs
     stats = acceptance_stats(spec, k)
     hist = [0] * (k + 1)
     for n in stats.acceptance_lengths:
         hist[n - 1] += 1
-    n_spec, n_plain = sum(len(o.token_ids) for o in spec), sum(len(o.token_ids) for o in plain)
-    tps, base_tps = n_spec / spec_s, n_plain / plain_s
+    tps, base_tps = spec_runs.tokens_per_second, plain_runs.tokens_per_second
     differ = divergences([o.token_ids for o in spec], [o.token_ids for o in plain]) if params.greedy else None
     return DraftEvalReport(
         dataset=dataset, num_prompts=len(prompts), num_draft_tokens=k,
         mean_acceptance_length=stats.mean_acceptance_length, per_position_acceptance=stats.per_position_acceptance(),
         acceptance_histogram=hist, num_verify_steps=len(stats.acceptance_lengths),
-        generated_tokens=n_spec, time_s=spec_s, tokens_per_second=tps,
-        baseline_generated_tokens=n_plain, baseline_time_s=plain_s, baseline_tokens_per_second=base_tps,
-        speedup=tps / base_tps,
+        generated_tokens=spec_runs.tokens[0], time_s=spec_runs.time_s, tokens_per_second=tps,
+        baseline_generated_tokens=plain_runs.tokens[0], baseline_time_s=plain_runs.time_s,
+        baseline_tokens_per_second=base_tps, speedup=tps / base_tps,
         outputs_identical=not differ if differ is not None else None, differing_outputs=differ,
         per_prompt_acceptance=[round(sum(a) / len(a), 4) if (a := o.acceptance_lengths) else None for o in spec],
+        timing_order=order, runs_time_s=spec_runs.times_s, baseline_runs_time_s=plain_runs.times_s,
+        time_spread=spec_runs.spread, baseline_time_spread=plain_runs.spread,
+        speedup_range=speedup_range(spec_runs, plain_runs),
     )

@@ -1,27 +1,38 @@
-"""Offline throughput of the batched engine, speculative vs plain, from one run (`blockspec bench`, eval-draft)."""
+"""Offline throughput of the batched engine, speculative vs plain (`blockspec bench`, eval-draft), and the timing
+protocol both share.
+
+Each timed run is one `generate` of the whole prompt set on an engine warmed up first, untimed, on stand-ins of the
+same shapes: every prompt with its first token replaced by one that starts no timed prompt (same lengths and text,
+prefilled next to decoding requests as in the timed run; the prefix cache chains block hashes from the first token, so
+no block of a stand-in or of its answer can be a hit for a timed prompt, which would change the timed work), then every
+decode batch bucket and scheduled draft length the timed run can reach. Kernel compilation and autotuning, first-use
+allocation and CUDA graph capture happen there, for each mode. The runs alternate (plain, spec, spec, plain, ...), so
+neither mode always comes first, and each mode reports the median of its runs and their spread."""
 
 from __future__ import annotations
 
+import gc
 import random
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.engine.decode_step import buckets
 from blockspec.engine.outputs import RequestOutput
+from blockspec.errors import BlockspecError
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
-from blockspec.speculative.proposer import Proposer
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.proposer import Proposer
 
-
-@dataclass
-class BenchResult:
-    mode: str  # "spec" | "plain"
-    num_requests: int
-    generated_tokens: int
-    time_s: float
-    tokens_per_second: float
-    mean_acceptance_length: float | None
+MODES = ("plain", "spec")
+WARM_STEPS = 2  # decode steps each warm-up request runs past its prefill
+Params = SamplingParams | list[SamplingParams]
 
 
 def synthetic_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -29,44 +40,145 @@ def synthetic_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[li
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
-WARMUP_TOKENS = 8
+def run_order(first: str, repeats: int, speculative: bool = True) -> list[str]:
+    """`repeats` runs of each mode, alternating which leads: first, other, other, first, first, other, ... (only the
+    plain runs when not `speculative`)."""
+    if first not in MODES:
+        raise BlockspecError(f"--first must be one of {', '.join(MODES)}, got {first!r}")
+    if repeats < 1:
+        raise BlockspecError(f"--repeats must be >= 1, got {repeats}")
+    a, b = first, next(m for m in MODES if m != first)
+    order = [m for i in range(repeats) for m in ((a, b) if i % 2 == 0 else (b, a))]
+    return order if speculative else [m for m in order if m == "plain"]
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                   use_tqdm: bool, speculate: bool = True) -> tuple[list[RequestOutput], float]:
-    """Generate after a short warm-up on the same engine (kernel compilation and CUDA graph capture happen there,
-    not in the timed run); returns the outputs and the wall time of the timed run."""
-    warm = [p[:WARMUP_TOKENS] for p in prompts[: llm.engine.config.max_num_seqs]]
-    llm.generate(warm, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False, speculate=speculate)
+def stand_ins(prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    """`prompts` with their first token replaced by the lowest id that starts none of them: the same shapes, and no
+    KV block (of the prompt or of what follows it) in common with any of `prompts`."""
+    lead = min(set(range(vocab)) - {p[0] for p in prompts})
+    return [[lead, *p[1:]] for p in prompts]
+
+
+def warm_batch_sizes(config: EngineConfig, num_prompts: int) -> list[int]:
+    """Decode batch sizes that reach every bucket a run of `num_prompts` requests can use (the engine captures a
+    graph per bucket and K), and every draft length of the schedule up to there."""
+    cap = min(config.max_num_seqs, num_prompts)
+    keys = [k for k in config.draft_len_schedule or {} if k <= cap]
+    return sorted({b for b in buckets(config.max_num_seqs) if b < cap} | {cap} | set(keys))
+
+
+def warm_up(llm: LLM, prompts: list[list[int]], params: Params, speculate: bool = True) -> None:
+    """Untimed: the one-time costs of the run `llm.generate(prompts, params)` would pay, paid on stand-ins."""
+    engine = llm.engine
+    vocab, K = llm.lm.config.vocab_size, engine.K if speculate else 0
+    template = params if isinstance(params, SamplingParams) else params[0]  # same sampling mode, same graphs
+    short = replace(template, max_tokens=min(template.max_tokens, 1 + WARM_STEPS * (K + 1)), ignore_eos=True)
+    warm = stand_ins(prompts, vocab)
+    llm.generate(warm, short, use_tqdm=False, speculate=speculate)
+    for n in warm_batch_sizes(engine.config, len(prompts)):  # n short requests decode together: the bucket of n
+        sweep = [[warm[0][0], *p] for p in synthetic_prompts(vocab, n, 3, seed=n)]  # the stand-ins' first token
+        llm.generate(sweep, short, use_tqdm=False, speculate=speculate)
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: Params, use_tqdm: bool,
+                   speculate: bool = True) -> tuple[list[RequestOutput], float]:
+    """warm_up, then generate; returns the outputs and the wall time of the generate alone."""
+    warm_up(llm, prompts, params, speculate)
+    gc.collect()  # the warm-up's garbage is not collected inside the timing
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm, speculate=speculate)
     return outs, time.perf_counter() - t0
 
 
-Measured = tuple[BenchResult, list[list[int]]]  # the figures and every request's tokens
+@dataclass
+class ModeRuns:
+    """The timed runs of one mode: the outputs of its first run (every run decodes the same requests the same way)
+    and each run's generated tokens and wall time, in run order."""
+
+    outputs: list[RequestOutput]
+    tokens: list[int] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)
+
+    @property
+    def time_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens[0] / self.time_s
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median of the run times: 0 for one run."""
+        return (max(self.times_s) - min(self.times_s)) / self.time_s
+
+    def runs_tokens_per_second(self) -> list[float]:
+        return [n / t for n, t in zip(self.tokens, self.times_s)]
 
 
-def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, speculate: bool = True) -> Measured:
-    outs, dt = timed_generate(llm, prompts, params, use_tqdm=False, speculate=speculate)
-    n = sum(len(o.token_ids) for o in outs)
-    lens = [a for o in outs for a in o.acceptance_lengths]
-    tau = sum(lens) / len(lens) if lens else None
-    mode = "spec" if speculate and llm.engine.proposer is not None else "plain"
-    return BenchResult(mode, len(prompts), n, dt, n / dt, tau), [o.token_ids for o in outs]
+def release() -> None:
+    """Free a dropped engine before the next one is built: its CUDA graph pool may sit in reference cycles."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def report(plain: Measured, spec: Measured | None) -> dict:
-    """The `blockspec bench` report: both runs, the speedup, and whether the outputs are identical."""
-    out: dict = {"plain": plain[0].__dict__}
-    if spec is not None:
-        out.update(spec=spec[0].__dict__, speedup=spec[0].tokens_per_second / plain[0].tokens_per_second,
-                   outputs_identical=spec[1] == plain[1])
+def interleaved(engine: Callable[[str], LLM], prompts: list[list[int]], params: Params, order: list[str],
+                use_tqdm: bool = False) -> dict[str, ModeRuns]:
+    """Time `prompts` once per entry of `order` (modes), each on engine(mode) warmed up first."""
+    runs: dict[str, ModeRuns] = {}
+    for mode in order:
+        llm = engine(mode)
+        outs, dt = timed_generate(llm, prompts, params, use_tqdm, speculate=mode == "spec")
+        del llm
+        release()
+        r = runs.setdefault(mode, ModeRuns(outs))
+        r.tokens.append(sum(len(o.token_ids) for o in outs))
+        r.times_s.append(dt)
+    return runs
+
+
+def speedup_range(spec: ModeRuns, plain: ModeRuns) -> list[float]:
+    """[slowest spec run / fastest plain run, fastest spec run / slowest plain run] in tokens/s."""
+    s, p = spec.runs_tokens_per_second(), plain.runs_tokens_per_second()
+    return [min(s) / max(p), max(s) / min(p)]
+
+
+@dataclass
+class BenchResult:
+    mode: str  # "spec" | "plain"
+    num_requests: int
+    generated_tokens: int
+    time_s: float  # median over the runs
+    tokens_per_second: float  # generated_tokens / time_s
+    mean_acceptance_length: float | None
+    runs_time_s: list[float]  # every run, in run order
+    time_spread: float  # (slowest - fastest) / median run time
+
+
+def result(mode: str, r: ModeRuns) -> BenchResult:
+    lens = [a for o in r.outputs for a in o.acceptance_lengths]
+    return BenchResult(mode, len(r.outputs), r.tokens[0], r.time_s, r.tokens_per_second,
+                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread)
+
+
+def report(runs: dict[str, ModeRuns], order: list[str]) -> dict:
+    """The `blockspec bench` report: each mode's figures, the speedup (of the medians, and its range over the runs),
+    whether the outputs are identical, and the order the runs ran in."""
+    plain = runs["plain"]
+    out: dict = {"plain": result("plain", plain).__dict__, "timing": {"order": order}}
+    if "spec" in runs:
+        spec = runs["spec"]
+        out.update(spec=result("spec", spec).__dict__, speedup=spec.tokens_per_second / plain.tokens_per_second,
+                   speedup_range=speedup_range(spec, plain),
+                   outputs_identical=[o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs])
     return out
 
 
-def bench(lm: LoadedModel, draft: Proposer | LoadedDraft | None, prompts: list[list[int]], max_tokens: int,
-          **engine_config) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    plain = measure(LLM.from_loaded(lm, None, **engine_config), prompts, params)
-    spec = measure(LLM.from_loaded(lm, draft, **engine_config), prompts, params) if draft is not None else None
-    return report(plain, spec)
+def bench(lm: LoadedModel, draft: Proposer | LoadedDraft | None, prompts: list[list[int]], params: SamplingParams,
+          repeats: int = 2, first: str = "plain", **engine_config) -> dict:
+    """Plain (and with `draft` speculative) throughput, each mode on its own engines, `repeats` runs each."""
+    order = run_order(first, repeats, draft is not None)
+    runs = interleaved(lambda mode: LLM.from_loaded(lm, draft if mode == "spec" else None, **engine_config),
+                       prompts, params, order)
+    return report(runs, order)
