@@ -198,16 +198,17 @@ def paged_attention(
     )
     out = torch.empty_like(q)
     if batch_invariant:
-        _ordered_merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_D=triton.next_power_of_2(D))
+        _ordered_merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, splits, BLOCK_D=triton.next_power_of_2(D))
     else:
-        _merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        _merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, splits, BLOCK_S=MAX_SPLITS,
                                  BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
-@triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+# The merges take the number of splits at run time (not as a constexpr): it follows the longest context of the batch,
+# and a kernel compiled per value put a Triton compile (~1 s) inside a step each time contexts grew past a new count.
+@triton.jit(do_not_specialize=["SPLITS"])
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (token, head) row: merge the split-K partials (weights exp(m_s - max m); empty splits have m = -inf and
     contribute nothing; a row with no visible key gives 0) and normalize, in one kernel instead of ~8 torch ops."""
     row = tl.program_id(0).to(tl.int64)
@@ -224,8 +225,8 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOC
     tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-@triton.jit
-def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["SPLITS"])
+def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_D: tl.constexpr):
     """The merge of the batch-invariant mode: splits folded one at a time in position order (an online softmax over
     the partials), so the empty splits past a row's position, however many the batch has, change nothing (their
     weight is exp(-inf) = 0 and the running scale exp(0) = 1). A vector reduction over the splits would sum in an
