@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
                                  add_speculative_args, add_speed_args, speculative_config)
+from blockspec.train.launch import SETUP_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from blockspec.config import SpeculativeConfig
+    from blockspec.data.prompt_set import PromptSet
+    from blockspec.data.shards import Manifest
+    from blockspec.loading.draft_loader import LoadedDraft
+    from blockspec.loading.loader import LoadedModel
+    from blockspec.train.distributed import DataParallel
+
+# A rank that finishes its chunks waits for the slowest at the merge: as long as generation may take.
+MERGE_TIMEOUT = timedelta(days=2)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,38 +41,64 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                   "only; same data, less time)"})
     add_device_args(p)
     add_speed_args(p, cpu_packed=False)
+    p.add_argument("--dist-timeout", type=float, default=SETUP_TIMEOUT_S, metavar="SECONDS",
+                   help=f"under torchrun (each rank generates a share of the prompts, rank 0 merges them; "
+                        f"docs/training.md): how long the ranks wait for each other at set-up (default "
+                        f"{SETUP_TIMEOUT_S:g})")
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockspec.data.builder import build_dataset
     from blockspec.data.prompts import read_prompts
     from blockspec.errors import BlockspecError
-    from blockspec.loading.loader import load_model
+    from blockspec.train.launch import join, launched, leave
 
     if args.limit is not None and args.limit < 1:
         raise BlockspecError(f"--limit must be >= 1, got {args.limit}")
     spec = speculative_config(args)
-    found = read_prompts(args.prompts, first_turn_only=args.first_turn_only)
-    for f in found.files:
-        print(f"{f.path}: {f.num_records} records, {len(f.prompts)} prompts", file=sys.stderr)
-        if f.note:
-            print(f"  note: {f.note}", file=sys.stderr)
-    prompts = found.prompts[: args.limit]
-    lm = load_model(args.target, device=args.device, dtype=args.dtype, batch_invariant=args.batch_invariant)
-    draft = None
-    if spec is not None:
+    dp = join(args.device, args.dist_timeout, op_timeout=MERGE_TIMEOUT) if launched() else None
+    main = dp is None or dp.main
+    ok = False
+    try:
+        found = read_prompts(args.prompts, first_turn_only=args.first_turn_only)
+        for f in found.files if main else ():
+            print(f"{f.path}: {f.num_records} records, {len(f.prompts)} prompts", file=sys.stderr)
+            if f.note:
+                print(f"  note: {f.note}", file=sys.stderr)
+        manifest = _build(args, spec, found, found.prompts[: args.limit], dp)
+        ok = True
+    finally:
+        leave(dp, together=ok)
+    m = manifest.meta
+    if main:
+        print(f"wrote {manifest.num_sequences} sequences ({manifest.num_tokens} tokens, "
+              f"{manifest.num_response_tokens} response tokens) in {len(manifest.shards)} shard(s) to {args.out}; "
+              f"dropped {m['num_excluded_eval']} evaluation prompts, {m['num_duplicates']} duplicates, "
+              f"{m['num_skipped_length']} by length")
+    return 0
+
+
+def _build(args: argparse.Namespace, spec: SpeculativeConfig | None, found: PromptSet, prompts: list[str],
+           dp: DataParallel | None) -> Manifest:
+    """Load the target (and drafter) and write the data; under torchrun each rank generates a share of the
+    prompts, a failure to load on one rank ends every rank with its message."""
+    from blockspec.data.builder import build_dataset
+    from blockspec.loading.loader import load_model
+
+    def load() -> tuple[LoadedModel, LoadedDraft | None]:
+        device = args.device if dp is None else str(dp.device)
+        lm = load_model(args.target, device=device, dtype=args.dtype, batch_invariant=args.batch_invariant)
+        if spec is None:
+            return lm, None
         from blockspec.loading.draft_loader import load_draft
 
-        draft = load_draft(spec, lm)
-    manifest = build_dataset(
+        return lm, load_draft(spec, lm)
+
+    lm, draft = load() if dp is None else dp.together(load)
+    ranks = {} if dp is None else {"rank": dp.rank, "world_size": dp.world_size, "sync": dp.together}
+    return build_dataset(
         lm, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
         chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_num_seqs,
         meta={"prompt_files": found.summary(), "first_turn_only": args.first_turn_only, "limit": args.limit,
               "draft": args.draft_model},
-        draft=draft,
+        draft=draft, **ranks,
     )
-    m = manifest.meta
-    print(f"wrote {manifest.num_sequences} sequences ({manifest.num_tokens} tokens, {manifest.num_response_tokens} "
-          f"response tokens) in {len(manifest.shards)} shard(s) to {args.out}; dropped {m['num_excluded_eval']} "
-          f"evaluation prompts, {m['num_duplicates']} duplicates, {m['num_skipped_length']} by length")
-    return 0

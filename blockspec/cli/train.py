@@ -5,10 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from blockspec.cli.config_flags import add_config_flags, flags_given
 from blockspec.cli.flags import add_device_args, add_model_arg
 from blockspec.train.config import TrainConfig
+from blockspec.train.launch import SETUP_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from blockspec.loading.loader import LoadedModel
+    from blockspec.train.dataset import TrainingSet
+    from blockspec.train.distributed import DataParallel
+    from blockspec.train.trainer import DraftSetup
+
+T = TypeVar("T")
 
 # the TrainConfig flags listed under evaluation in --help
 _EVAL_FIELDS = ("eval_every", "eval_max_tokens", "val_fraction")
@@ -46,7 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--eval-prompts", default=None, metavar="FILE", help="text lines or JSONL with prompt/prompt_ids")
     e.add_argument("--eval-set", default="gsm8k", help="shipped evaluation set when --eval-prompts is not given "
                    "(always excluded from training data)")
-    e.add_argument("--eval-num-prompts", type=int, default=8, help="0 disables evaluation")
+    e.add_argument("--eval-num-prompts", type=int, default=None, help="0 disables evaluation (default 8; 0 with "
+                   "--fsdp, where no rank holds the whole target for the engine)")
     add_config_flags(e, TrainConfig, _EVAL_FIELDS)
     d = p.add_argument_group("data generation (--prompts)")
     d.add_argument("--gen-max-tokens", type=int, default=1024, help="longest regenerated response")
@@ -57,18 +68,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "turns such as 'continue' make no sense without their conversation)")
     add_device_args(p, dtype_help="target dtype (default: bfloat16 on CUDA, float32 on CPU); the drafter trains in "
                                   "fp32 master weights with bf16 autocast on CUDA")
+    r = p.add_argument_group("several GPUs or hosts: launch with `torchrun --nproc-per-node N -m blockspec "
+                             "train-draft ...` (docs/training.md), --grad-accum a multiple of the world size")
+    r.add_argument("--fsdp", action="store_true", help="shard the frozen target's decoder layers over the ranks, for "
+                   "a target that does not fit one device (needs torchrun and --data)")
+    r.add_argument("--dist-timeout", type=float, default=SETUP_TIMEOUT_S, metavar="SECONDS",
+                   help=f"how long the ranks wait for each other at set-up (default {SETUP_TIMEOUT_S:g})")
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockspec.data.shards import read_shards
     from blockspec.errors import BlockspecError
-    from blockspec.loading.loader import load_model
-    from blockspec.train.dataset import prepare
-    from blockspec.train.setup import DraftShape, draft_from, new_draft
-    from blockspec.train.trainer import train
+    from blockspec.train.distributed import check_global_batch
+    from blockspec.train.launch import join, launched, leave, world
 
     cfg = TrainConfig(**flags_given(args, TrainConfig))
-    if args.eval_num_prompts < 0:
+    if args.eval_num_prompts is not None and args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
     shape_flags = {"--block-size": args.block_size,
                    "--target-layer-ids": args.target_layer_ids, "--intermediate-size": args.intermediate_size,
@@ -77,11 +91,75 @@ def run(args: argparse.Namespace) -> int:
         given = [k for k, v in shape_flags.items() if v is not None]
         raise BlockspecError(f"{', '.join(given)} cannot be combined with --init (the drafter's shape comes from "
                              f"{args.init}/config.json; only --draft-layers may add layers)")
-    lm = load_model(args.target, device=args.device, dtype=args.dtype)
-    device = next(lm.model.parameters()).device
-    eval_prompts = _eval_prompts(lm, args)
+    if args.fsdp:
+        _check_fsdp(args, launched())
+    dp = None
+    if launched():
+        check_global_batch(cfg.grad_accum, world()[1])  # before the rendezvous: every rank says it, none waits
+        dp = join(args.device, args.dist_timeout, fsdp=args.fsdp)
+    ok = False
+    try:
+        report = _train(args, cfg, dp)
+        ok = True
+    finally:
+        leave(dp, together=ok)
+    if dp is None or dp.main:
+        tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
+        if report["val"] is not None:
+            tau += f", held-out block tau {report['val']['tau']:.2f}, walk tau {report['val']['walk_tau']:.2f}"
+        print(f"trained {report['steps']} steps on {report['target_tokens']} target tokens in "
+              f"{report['train_time_s']}s ({report['tokens_per_s']} tokens/s){tau}; drafter written to {args.out}",
+              file=sys.stderr)
+    return 0
+
+
+def _check_fsdp(args: argparse.Namespace, is_rank: bool) -> None:
+    from blockspec.errors import BlockspecError
+
+    if not is_rank:
+        raise BlockspecError("--fsdp shards the target over the ranks of a distributed launch, and this process is "
+                             "not one: `torchrun --nproc-per-node N -m blockspec train-draft --fsdp ...`")
+    if args.prompts is not None:
+        raise BlockspecError("--fsdp needs --data: the engine that writes the responses for --prompts runs the whole "
+                             "target on one device (build the data first with `blockspec draft-data`)")
+    if args.eval_num_prompts:
+        raise BlockspecError(f"--eval-num-prompts {args.eval_num_prompts} with --fsdp: no rank holds the whole target "
+                             f"to run the engine's tau evaluation (use --val-fraction, and eval-draft afterwards)")
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, dp: DataParallel | None) -> dict[str, Any]:
+    """Load the target, the data and the drafter (on every rank under torchrun; a failure on one rank ends every
+    rank with its message), then train."""
+    from blockspec.loading.loader import load_model
+    from blockspec.train.trainer import train
+
+    def together(fn: Callable[[], T]) -> T:
+        return fn() if dp is None else dp.together(fn)
+
+    if dp is None:
+        device, dtype = args.device, args.dtype
+    else:  # a sharded target is read into host memory first: it need not fit one device
+        device = "cpu" if dp.fsdp else str(dp.device)
+        dtype = args.dtype or ("bfloat16" if dp.device.type == "cuda" else None)
+    lm = together(lambda: load_model(args.target, device=device, dtype=dtype))
+    if dp is not None and dp.fsdp:
+        from blockspec.train.fsdp import shard_target
+
+        shard_target(lm.model, dp)
+    eval_prompts = together(lambda: _eval_prompts(lm, args))
     out = Path(args.out)
-    data_dirs = [Path(d) for d in args.data] if args.data is not None else [_generate(lm, args, out / "data")]
+    data_dirs = [Path(d) for d in args.data] if args.data is not None else [_generate(lm, args, out / "data", dp)]
+    setup, data = together(lambda: _draft_and_data(lm, args, cfg, data_dirs, dp))
+    return train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume, dp=dp)
+
+
+def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig, data_dirs: list[Path],
+                    dp: DataParallel | None) -> tuple[DraftSetup, TrainingSet]:
+    from blockspec.data.shards import read_shards
+    from blockspec.errors import BlockspecError
+    from blockspec.train.dataset import prepare
+    from blockspec.train.setup import DraftShape, draft_from, new_draft
+
     seqs = []
     for data_dir in data_dirs:
         part = read_shards(data_dir)
@@ -90,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             raise BlockspecError(f"{data_dir}: token id {top} is outside the target's vocabulary "
                                  f"[0, {lm.config.vocab_size}): the data was made for another target")
         seqs += part
+    device = dp.device if dp is not None else next(lm.model.parameters()).device
     if args.init is not None:
         setup = draft_from(lm, args.init, device, args.draft_layers, args.seed)
     else:
@@ -97,20 +176,15 @@ def run(args: argparse.Namespace) -> int:
             "num_layers": args.draft_layers, "block_size": args.block_size, "target_layer_ids": args.target_layer_ids,
             "intermediate_size": args.intermediate_size, "mask_token_id": args.mask_token_id}.items() if v is not None})
         setup = new_draft(lm, shape, args.seed, device)
-    data = prepare(seqs, cfg, " + ".join(map(str, data_dirs)))
-    report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume)
-    tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
-    if report["val"] is not None:
-        tau += f", held-out block tau {report['val']['tau']:.2f}, walk tau {report['val']['walk_tau']:.2f}"
-    print(f"trained {report['steps']} steps on {report['target_tokens']} target tokens in {report['train_time_s']}s "
-          f"({report['tokens_per_s']} tokens/s){tau}; drafter written to {out}", file=sys.stderr)
-    return 0
+    return setup, prepare(seqs, cfg, " + ".join(map(str, data_dirs)))
 
 
-def _generate(lm, args: argparse.Namespace, data_dir: Path) -> Path:
-    """OUT/data from --prompts (the target regenerates every response), unless an earlier run already wrote it."""
+def _generate(lm: LoadedModel, args: argparse.Namespace, data_dir: Path, dp: DataParallel | None) -> Path:
+    """OUT/data from --prompts (the target regenerates every response; under torchrun each rank a share of the
+    prompts), unless an earlier run already wrote it."""
     if (data_dir / "manifest.json").is_file():
-        print(f"reusing training data in {data_dir}", file=sys.stderr)
+        if dp is None or dp.main:
+            print(f"reusing training data in {data_dir}", file=sys.stderr)
         return data_dir
     from blockspec.data.builder import build_dataset
     from blockspec.data.prompts import read_prompts
@@ -120,7 +194,8 @@ def _generate(lm, args: argparse.Namespace, data_dir: Path) -> Path:
         raise BlockspecError(f"--prompt-limit must be >= 1, got {args.prompt_limit}")
     found = read_prompts(args.prompts, first_turn_only=not args.all_turns)
     build_dataset(lm, found.prompts[: args.prompt_limit], data_dir, max_tokens=args.gen_max_tokens,
-                  chat=not args.no_chat, seed=args.seed, meta={"prompt_files": found.summary()})
+                  chat=not args.no_chat, seed=args.seed, meta={"prompt_files": found.summary()},
+                  **({} if dp is None else {"rank": dp.rank, "world_size": dp.world_size, "sync": dp.together}))
     return data_dir
 
 
@@ -129,7 +204,7 @@ def _eval_prompts(lm, args: argparse.Namespace) -> list[list[int]]:
     from blockspec.data.builder import encode_prompts
     from blockspec.errors import BlockspecError
 
-    n = args.eval_num_prompts
+    n = args.eval_num_prompts if args.eval_num_prompts is not None else (0 if args.fsdp else 8)
     if n == 0:
         return []
     tok = lm.tokenizer

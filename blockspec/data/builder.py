@@ -11,7 +11,7 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -43,7 +43,8 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
                   max_num_seqs: int | None = None, kv_cache_tokens: int | None = None,
                   exclude_eval: bool = True, dedupe: bool = True, meta: dict[str, Any] | None = None,
                   use_tqdm: bool = True, draft: LoadedDraft | None = None,
-                  split_mixed_steps: bool | None = None) -> Manifest:
+                  split_mixed_steps: bool | None = None, rank: int = 0, world_size: int = 1,
+                  sync: Callable[[Callable[[], Any]], Any] | None = None) -> Manifest:
     """Write a training-data directory for a DFlash drafter of `lm` and return its manifest.
 
     prompts: user messages (one per conversation). Evaluation prompts (blockspec.data.eval_prompts) and, with
@@ -55,9 +56,17 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     `meta` is stored in the manifest next to the counts and generation settings. `draft`: generate with speculative
     decoding (an earlier drafter of the same target): lossless, so only the generation time changes; greedy only,
     where the outputs are the target's own argmax tokens either way. split_mixed_steps: EngineConfig's; None: on for
-    CUDA (same data; 1.09x at draft-data's shape on the H200, docs/perf.md), off on the CPU."""
+    CUDA (same data; 1.09x at draft-data's shape on the H200, docs/perf.md), off on the CPU.
+
+    rank / world_size / sync: this process is one of world_size ranks (torchrun) writing one dataset into a
+    directory they all see: every rank filters the same prompts into the same chunks and generates chunk c when
+    c % world_size == rank; then rank 0 merges all chunks, in order, into the data a single process writes.
+    sync(fn) runs fn on every rank and returns when all have, raising on every rank what failed on any
+    (train/distributed.py, DataParallel.together)."""
     from blockspec.llm import LLM
 
+    if world_size > 1 and sync is None:
+        raise ValueError("build_dataset: world_size > 1 needs sync")
     filtered = filter_prompts(list(prompts), exclude_eval=exclude_eval, dedupe=dedupe)
     encoded = encode_prompts(lm, filtered.prompts, chat)
     kept = [ids for ids in encoded if 0 < len(ids) <= max_prompt_tokens]
@@ -86,9 +95,17 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
                                      max_tokens, temperature, seed, chunk]).encode()).hexdigest()[:16]
     starts = list(range(0, len(kept), chunk))
     part_dirs = [parts / f"part-{c:05d}" for c in range(len(starts))]
-    for part in part_dirs:
-        if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
-            raise BlockspecError(f"{part}: left by a run with other prompts or settings; remove {parts} to start over")
+
+    def check_parts() -> None:
+        for part in part_dirs:
+            if (part / MANIFEST).exists() and read_manifest(part).meta.get("key") != key:
+                raise BlockspecError(f"{part}: left by a run with other prompts or settings; remove {parts} to start "
+                                     f"over")
+
+    if sync is None:
+        check_parts()
+    else:  # every rank looks before any writes a chunk
+        sync(check_parts)
 
     def params(i: int) -> SamplingParams:  # prompt i's sampling: greedy, or seeded by its index
         if temperature == 0.0:
@@ -96,8 +113,40 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         return SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens)
 
     todo = [(part, range(s, min(s + chunk, len(kept))))
-            for part, s in zip(part_dirs, starts) if not (part / MANIFEST).exists()]
-    _generate_chunks(llm, kept, todo, params, key, use_tqdm)
+            for c, (part, s) in enumerate(zip(part_dirs, starts))
+            if c % world_size == rank and not (part / MANIFEST).exists()]
+    _generate_chunks(llm, kept, todo, params, key, use_tqdm and rank == 0)
+    info: dict[str, Any] = {
+        "target": str(lm.source.name), "chat_template": chat, "max_tokens": max_tokens,
+        "temperature": temperature, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
+        "num_input_prompts": len(prompts), "num_excluded_eval": filtered.num_excluded_eval,
+        "excluded_eval_sets": list(EVAL_SETS) if exclude_eval else [], "num_duplicates": filtered.num_duplicates,
+        "num_skipped_length": len(encoded) - len(kept),  # empty, or templated longer than max_prompt_tokens
+    }
+    if world_size > 1:
+        # generation_time_s then sums every rank's chunks: device time, not wall time
+        meta = {"ranks": world_size, **(meta or {})}
+        return _merge_ranks(part_dirs, out_dir, rank, sync, lambda: _merge(part_dirs, out_dir, info, meta))
+    return _merge(part_dirs, out_dir, info, meta)
+
+
+def _merge_ranks(part_dirs: list[Path], out_dir: str | Path, rank: int, sync: Callable[[Callable[[], Any]], Any],
+                 merge: Callable[[], Manifest]) -> Manifest:
+    def visible() -> None:
+        missing = [p for p in part_dirs if not (p / MANIFEST).exists()]
+        if missing:
+            raise BlockspecError(f"{missing[0]}: a chunk another rank wrote is not visible here; with several hosts "
+                                 f"--out must be on a filesystem every host sees")
+
+    sync(lambda: None)  # every rank's chunks are written
+    sync(visible)  # every rank has looked before rank 0 merges (and removes) the chunks
+    manifest = sync(lambda: merge() if rank == 0 else None)
+    return manifest if manifest is not None else read_manifest(out_dir)
+
+
+def _merge(part_dirs: list[Path], out_dir: str | Path, info: dict[str, Any], meta: dict[str, Any] | None
+           ) -> Manifest:
+    """The chunks, in order, as one dataset at out_dir (their manifests merged into its meta); the chunks go."""
     reasons: Counter[str] = Counter()
     seconds, untimed = 0.0, 0  # summed over chunks, so a run that resumes reports the whole generation time
     for part in part_dirs:
@@ -106,18 +155,10 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         seconds += meta_c.get("seconds", 0.0)
         untimed += "seconds" not in meta_c  # written by a version that did not time its chunks
     done = [s for part in part_dirs for s in read_shards(part)]
-
-    info = {
-        "target": str(lm.source.name), "chat_template": chat, "max_tokens": max_tokens,
-        "temperature": temperature, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
-        "num_input_prompts": len(prompts), "num_excluded_eval": filtered.num_excluded_eval,
-        "excluded_eval_sets": list(EVAL_SETS) if exclude_eval else [], "num_duplicates": filtered.num_duplicates,
-        "num_skipped_length": len(encoded) - len(kept),  # empty, or templated longer than max_prompt_tokens
-        "finish_reasons": dict(reasons),
-        "generation_time_s": round(seconds, 2), "untimed_chunks": untimed, **(meta or {}),
-    }
-    manifest = write_shards(done, out_dir, info)
-    shutil.rmtree(parts)
+    manifest = write_shards(done, out_dir, {**info, "finish_reasons": dict(reasons),
+                                            "generation_time_s": round(seconds, 2), "untimed_chunks": untimed,
+                                            **(meta or {})})
+    shutil.rmtree(Path(out_dir) / "parts")
     return manifest
 
 

@@ -23,7 +23,11 @@ class TrainConfig:
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay of the weight matrices"})
     warmup_ratio: float = field(default=0.04, metadata={"help": "share of the steps the learning rate warms up"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    # the global batch: under torchrun each of the W ranks runs grad_accum / W of a step's micro-batches, so a run
+    # resumes on another number of ranks with the same steps (train/steps.py)
+    grad_accum: int = field(default=1, metadata={
+        "help": "micro-batches per optimizer step, over all ranks together (the global batch; under torchrun a "
+                "multiple of the world size)"})
     # B rows each: the unit of draft compute
     batch_anchors: int = field(default=4096, metadata={"help": "anchor blocks per micro-batch"})
     batch_tokens: int | None = field(default=None, metadata={
@@ -47,7 +51,7 @@ class TrainConfig:
     eval_every: int = field(default=1000, metadata={
         "help": "optimizer steps between evaluations (0: at the end)"})
     eval_max_tokens: int = field(default=256, metadata={"help": "new tokens per evaluation prompt"})
-    log_every: int = 10  # optimizer steps per line of train_log.jsonl
+    log_every: int = field(default=10, metadata={"help": "optimizer steps per line of train_log.jsonl"})
     attention: str = field(default="auto", metadata={
         "choices": ["auto", "flex", "sdpa"], "help": "flex (CUDA default) or exact per-sequence SDPA (CPU default)"})
     # scored by train/validate.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,16 @@ class TrainingSet:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.input_ids) for s in self.seqs)
+
+    def fingerprint(self) -> dict[str, int | str]:
+        """Counts and a digest of every sequence's tokens and loss mask, in order: ranks training together must
+        hold the same sequences (each plans every step from all of them)."""
+        digest = hashlib.sha256()
+        for s in self.seqs:
+            digest.update(len(s.input_ids).to_bytes(8, "little"))
+            digest.update(s.input_ids.numpy().tobytes())
+            digest.update(s.loss_mask.numpy().tobytes())
+        return {"sequences": len(self.seqs), "tokens": self.num_tokens, "sha256": digest.hexdigest()[:16]}
 
 
 def prepare(seqs: list[TokenSequence], cfg: TrainConfig, where: str) -> TrainingSet:

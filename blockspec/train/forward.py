@@ -62,6 +62,11 @@ class TrainingForward:
                           tap_layers=self.tap_layers, logit_rows=no_logits)
         return out.taps, out.hidden
 
+    def target_only(self, mb: MicroBatch) -> None:
+        """The target pass alone, its result unused: with FSDP a rank that has no micro-batch left in a step still
+        takes part in every layer's all-gather (train/fsdp.py)."""
+        self.target_pass(mb, self.flex.load(mb)[0] if self.flex is not None else None)
+
     def taps(self, mb: MicroBatch, block_mask=None) -> torch.Tensor:
         return self.target_pass(mb, block_mask)[0]
 

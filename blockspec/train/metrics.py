@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from blockspec.train.batches import MicroBatch
+from blockspec.train.distributed import DataParallel
 from blockspec.train.forward import ForwardResult
 
 
@@ -32,6 +33,13 @@ class Window:
         self.accepted += r.accepted
         self.tokens += mb.num_tokens
         self.blocks += mb.num_blocks
+
+    def all_reduce(self, dp: DataParallel) -> None:
+        """Make this window every rank's together (on every rank, before summary())."""
+        dp.sum_([self.loss, self.hits, self.count, self.accepted])
+        host = torch.tensor([self.weight, self.tokens, self.blocks], dtype=torch.float64, device=self.device)
+        dp.sum_([host])
+        self.weight, self.tokens, self.blocks = host[0].item(), round(host[1].item()), round(host[2].item())
 
     def summary(self) -> dict[str, Any]:
         """loss (weighted mean), acc [B-1] (slots 1..B-1), acc_mean, tau (per block), tokens_per_s since reset."""

@@ -17,14 +17,16 @@ from tqdm import tqdm
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.train.anchors import default_gamma, slot_weights
-from blockspec.train.batches import MicroBatch, build_micro_batch, generator
 from blockspec.train.checkpoint import Progress, load_checkpoint, save_checkpoint
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import TrainingSet, capacity, plan_epochs
+from blockspec.train.distributed import DataParallel, check_global_batch
 from blockspec.train.evaluate import evaluate_tau
 from blockspec.train.export import save_draft
 from blockspec.train.forward import TrainingForward
+from blockspec.train.fsdp import sharded_bytes
 from blockspec.train.metrics import Window
+from blockspec.train.steps import StepBatches
 from blockspec.train.validate import split_validation, validate
 
 REPORT = "train_report.json"
@@ -67,12 +69,39 @@ def _check_grads(model: torch.nn.Module) -> None:
                            f"torch.is_grad_enabled() is False")
 
 
+def _sum_gradients(dp: DataParallel, params: list[torch.Tensor], step_loss: torch.Tensor) -> None:
+    """Every rank's gradients (and step losses) summed, once per optimizer step; a rank without a micro-batch in this
+    step adds zeros."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    dp.sum_([p.grad for p in params] + [step_loss])
+
+
+def _join_run(dp: DataParallel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfig) -> None:
+    """Ranks that disagree on the settings or the data would plan different steps and wait for each other forever:
+    refuse that on every rank; then every rank starts from rank 0's drafter, as DDP does."""
+    check_global_batch(cfg.grad_accum, dp.world_size)
+    dp.agree("settings", {**cfg.to_dict(), "draft": setup.config}, "launch every rank with the same flags")
+    dp.agree("training data", data.fingerprint(), "--data must name the same data on every rank (on a filesystem "
+                                                  "every host sees, or identical copies)")
+    with torch.no_grad():
+        dp.broadcast_([p.data for p in setup.model.parameters()])
+
+
 def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfig, out_dir: str | Path,
-          eval_prompts: list[list[int]] | None = None, resume: bool = False, use_tqdm: bool = True) -> dict[str, Any]:
-    """Train setup.model in place on `data`; write checkpoints, the exported drafter and a report into out_dir."""
+          eval_prompts: list[list[int]] | None = None, resume: bool = False, use_tqdm: bool = True,
+          dp: DataParallel | None = None) -> dict[str, Any]:
+    """Train setup.model in place on `data`; write checkpoints, the exported drafter and a report into out_dir.
+    dp: this process is one rank of a data-parallel run (train/distributed.py): it trains on its share of every
+    step, and only rank 0 writes into out_dir and evaluates tau with the engine."""
     deadline = clock() + 60 * cfg.time_limit_min if cfg.time_limit_min else None
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    main = dp is None or dp.main
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    if dp is not None:
+        _join_run(dp, setup, data, cfg)
     model = setup.model
     device = next(model.parameters()).device
     B = model.config.block_size
@@ -85,7 +114,10 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     progress = Progress()
     if resume:
-        ckpt = load_checkpoint(out, cfg, setup.config, data_key, device)
+        def load() -> dict[str, Any]:
+            return load_checkpoint(out, cfg, setup.config, data_key, device)
+
+        ckpt = load() if dp is None else dp.together(load)  # every rank reads the same checkpoint
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -99,73 +131,75 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     params = [p for p in model.parameters() if p.requires_grad]
     window = Window(B, device)
     stop_at = min(total_steps, cfg.max_steps or total_steps)
-    log = (out / LOG).open("a")
+    log = (out / LOG).open("a") if main else None
     bar = tqdm(total=stop_at, initial=min(progress.step, stop_at), desc="train-draft", unit="step",
-               disable=not use_tqdm, dynamic_ncols=True)
+               disable=not use_tqdm or not main, dynamic_ncols=True)
 
     def evaluate() -> None:
         t0 = time.perf_counter()
         entry: dict[str, Any] = {"step": progress.step}
         said = []
-        if eval_prompts:
+        if eval_prompts and main:  # the engine runs the whole target, on rank 0 alone
             entry.update(evaluate_tau(lm, model, eval_prompts, cfg.eval_max_tokens))
             said.append(f"tau {entry['tau']:.3f} on {len(eval_prompts)} held-out prompts")
         if val is not None:
-            entry["val"] = v = validate(fwd, val, cap, cfg, setup.mask_token_id, w_slot)
+            entry["val"] = v = validate(fwd, val, cap, cfg, setup.mask_token_id, w_slot, dp)
             said.append(f"held-out sequences: loss {v['loss']:.3f}, acc {v['acc_mean']:.3f}, block tau {v['tau']:.2f}, "
                         f"walk tau {v['walk_tau']:.2f}")
         if said:
             progress.eval_time_s += time.perf_counter() - t0
             progress.evals.append(entry)
-            bar.write(f"step {progress.step}: {'; '.join(said)}")
+            if main:
+                bar.write(f"step {progress.step}: {'; '.join(said)}")
 
-    def step_batches(epoch: int, start: int) -> tuple[list[MicroBatch], float]:
-        """The micro-batches of the optimizer step starting at plan index `start`, on the device, and their total
-        loss weight (the step's loss is one weighted mean over all of them)."""
-        plan = plans[epoch]
-        mbs = [build_micro_batch([data.seqs[i] for i in plan[j]], cap, cfg.num_anchors, setup.mask_token_id, w_slot,
-                                 generator(cfg.seed, 1, epoch, j))
-               for j in range(start, min(start + cfg.grad_accum, len(plan)))]
-        return [mb.to(device) for mb in mbs], sum(float(mb.weights.sum()) for mb in mbs)
-
+    step_batches = StepBatches(data, plans, cap, cfg, setup.mask_token_id, w_slot, device, dp)
     shown: dict[str, Any] = {}
     t_start = time.perf_counter()
     pending = step_batches(progress.epoch, progress.micro) if progress.step < stop_at else None
     while pending is not None:
-        mbs, total_w = pending
+        step = pending
         step_loss = torch.zeros((), device=device)
-        for mb in mbs:
+        for mb in step.mbs:
             r = fwd(mb)
-            (r.loss_sum / total_w).backward()
+            (r.loss_sum / step.weight).backward()
             step_loss += r.plain_loss_sum
             window.add(r, mb)
-            progress.tokens += mb.num_tokens
-            progress.blocks += mb.num_blocks
-        if progress.step == 0:
+        for mb in step.fillers:
+            fwd.target_only(mb)
+        progress.tokens += step.tokens
+        progress.blocks += step.blocks
+        if progress.step == 0 and step.mbs:
             _check_grads(model)
+        if dp is not None:
+            _sum_gradients(dp, params, step_loss)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        window.weight += total_w
+        window.weight += step.local_weight
         progress.step += 1
-        progress.micro += len(mbs)
+        progress.micro += step.count
         if progress.micro >= len(plans[progress.epoch]):
             progress.epoch, progress.micro = progress.epoch + 1, 0
         timed_out = deadline is not None and clock() >= deadline and progress.step < stop_at
+        if dp is not None and deadline is not None:
+            timed_out = dp.any(timed_out)  # the ranks' clocks differ: all stop if one is out of time
         # the next step's batches are built on the host while the GPU still runs this one
         pending = step_batches(progress.epoch, progress.micro) if progress.step < stop_at and not timed_out else None
-        shown.update(loss=f"{step_loss.item() / total_w:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
+        shown.update(loss=f"{step_loss.item() / step.weight:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
                      epoch=progress.epoch)  # the one host sync per step
         done = progress.step >= stop_at or timed_out
         if progress.step % cfg.log_every == 0 or done:
             now = time.perf_counter()
             progress.train_time_s += now - t_start
             t_start = now
+            if dp is not None:
+                window.all_reduce(dp)
             s = window.summary()
             progress.last_log = {"step": progress.step, "lr": scheduler.get_last_lr()[0], **s}
-            log.write(json.dumps(progress.last_log) + "\n")
-            log.flush()
+            if log is not None:
+                log.write(json.dumps(progress.last_log) + "\n")
+                log.flush()
             # accuracy of the draft argmax per block slot over the window: mean, slot 1, slot B-1; and the
             # acceptance length those hits would give on the training blocks
             shown.update(acc=f"{s['acc_mean']:.3f}", acc1=f"{s['acc'][0]:.3f}", accK=f"{s['acc'][-1]:.3f}",
@@ -177,22 +211,27 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
         if cfg.eval_every and progress.step % cfg.eval_every == 0 and not done:
             evaluate()
             t_start = time.perf_counter()
-        if progress.step % cfg.save_every == 0 or done:
+        if main and (progress.step % cfg.save_every == 0 or done):
             # the exported drafter follows every checkpoint, so a run killed by a time limit leaves a usable one
             save_draft(model, setup.config, out)
             save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
     bar.close()
-    log.close()
+    if log is not None:
+        log.close()
     timed_out = progress.step < stop_at
-    if timed_out:  # no final evaluation: the time is up (the run's end evaluates)
+    if timed_out and main:  # no final evaluation: the time is up (the run's end evaluates)
         print(f"train-draft: time limit ({cfg.time_limit_min:g} min) reached at step {progress.step} of {stop_at}; "
               f"the checkpoint and the exported drafter are saved, --resume continues", file=sys.stderr)
-    elif not progress.evals or progress.evals[-1]["step"] != progress.step:
+    elif not timed_out and (not progress.evals or progress.evals[-1]["step"] != progress.step):
         evaluate()
-    save_draft(model, setup.config, out)
-    save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
     report = _report(progress, cfg, data, val, cap, total_steps, attention, device, timed_out)
-    (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
+    # what each rank holds of the frozen target (less than the whole under --fsdp): rank 0's, in bytes
+    report["ranks"] = {"world_size": dp.world_size if dp is not None else 1, "fsdp": dp is not None and dp.fsdp,
+                       "target_weight_bytes": sharded_bytes(lm.model)}
+    if main:
+        save_draft(model, setup.config, out)
+        save_checkpoint(out, model, optimizer, scheduler, progress, cfg, setup.config, data_key)
+        (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from blockspec.errors import BlockspecError
-from blockspec.train.batches import Capacity, build_micro_batch, generator, plan_epoch
+from blockspec.train.batches import Capacity, MicroBatch, build_micro_batch, generator, plan_epoch
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import TrainingSet
+from blockspec.train.distributed import DataParallel
 from blockspec.train.forward import TrainingForward
 from blockspec.train.metrics import Window
 from blockspec.train.walk import visited_blocks
@@ -37,16 +38,22 @@ def split_validation(data: TrainingSet, fraction: float, seed: int) -> tuple[Tra
 
 @torch.no_grad()
 def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainConfig, mask_token_id: int,
-             slot_w: torch.Tensor) -> dict[str, Any]:
+             slot_w: torch.Tensor, dp: DataParallel | None = None) -> dict[str, Any]:
     """Weighted loss, per-slot argmax accuracy (slots 1..B-1) and block acceptance length over the held-out set,
-    with the same anchors at every call (fixed generators), so successive values are comparable."""
+    with the same anchors at every call (fixed generators), so successive values are comparable. dp: each rank
+    scores its share of the held-out micro-batches; every rank returns the figures of all of them."""
     B, device = cap.block_size, fwd.device
     plan = plan_epoch([len(s.input_ids) for s in val.seqs], val.anchors, cap, generator(cfg.seed, 4))
     window = Window(B, device)
     walk_tokens = walk_steps = torch.zeros((), device=device)
-    for j, ids in enumerate(plan):
-        mb = build_micro_batch([val.seqs[i] for i in ids], cap, cfg.num_anchors, mask_token_id, slot_w,
-                               generator(cfg.seed, 5, j))
+
+    def micro_batch(j: int) -> MicroBatch:
+        return build_micro_batch([val.seqs[i] for i in plan[j]], cap, cfg.num_anchors, mask_token_id, slot_w,
+                                 generator(cfg.seed, 5, j))
+
+    mine = range(len(plan)) if dp is None else dp.share(0, len(plan))
+    for j in mine:
+        mb = micro_batch(j)
         window.weight += float(mb.weights.sum())  # on the host, before the copy
         mb = mb.to(device)
         r = fwd(mb)
@@ -54,6 +61,14 @@ def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainCo
         visited = visited_blocks(mb, r.block_accepted.long(), B, cap.tokens).float()
         walk_tokens = walk_tokens + ((r.block_accepted + 1) * visited).sum()
         walk_steps = walk_steps + visited.sum()
+    if dp is not None:
+        if dp.fsdp:  # every rank joins as many target passes (each layer's all-gather) as the busiest rank
+            for _ in range(dp.passes(0, len(plan)) - len(mine)):
+                fwd.target_only(micro_batch(0).to(device))
+        window.all_reduce(dp)
+        walk = torch.stack([walk_tokens, walk_steps])
+        dp.sum_([walk])
+        walk_tokens, walk_steps = walk[0], walk[1]
     s = window.summary()
     return ({k: s[k] for k in ("loss", "acc", "acc_mean", "tau")}
             | {"walk_tau": walk_tokens.item() / max(walk_steps.item(), 1.0), "sequences": len(val.seqs)})
