@@ -21,7 +21,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "generate": Command("generate text from a prompt", "generate"),
     "demo": Command("run the bundled model on a few prompts (offline, CPU)", "demo"),
-    "bench": Command("offline throughput: speculative vs plain, one run", "bench"),
+    "bench": Command("offline throughput: speculative vs plain, alternating warmed runs", "bench"),
     "init-draft": Command("write a randomly initialized DFlash drafter for a target", "init_draft"),
     "serve": Command("OpenAI-compatible HTTP server", "serve", extra="serve"),
     "chat": Command("interactive chat in the terminal, streamed", "chat"),
