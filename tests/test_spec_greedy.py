@@ -77,7 +77,9 @@ def _edit_config(path, **changes):
     ({"hidden_size": 32}, [], "hidden_size=32"),
     ({"vocab_size": 100}, [], "vocab_size=100"),
     ({}, ["--num-draft-tokens", "8"], "num_draft_tokens=8"),
-    ({"architectures": ["Qwen3ForCausalLM"]}, [], "not a DFlash draft"),
+    ({"architectures": ["Qwen3ForCausalLM"]}, ["--speculative-method", "dflash"], "not a DFlash draft"),
+    # without a method, a plain causal LM is a classic draft model, which needs K
+    ({"architectures": ["Qwen3ForCausalLM"]}, [], "no DFlash drafter, so it drafts as a classic draft model"),
 ])
 def test_bad_draft_checkpoints(tmp_path, capsys, edit, flags, needle):
     hf = make_hf_model("llama", seed=13)

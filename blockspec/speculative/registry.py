@@ -25,7 +25,8 @@ def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
 
 def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
     if spec.num_draft_tokens is None:  # before any weight is read
-        raise ConfigError("num_draft_tokens is required with method 'draft-model' (K drafts per step, e.g. 4)",
+        why = "" if spec.method else f" ({spec.draft_model} is no DFlash drafter, so it drafts as a classic draft model)"
+        raise ConfigError(f"num_draft_tokens is required with method 'draft-model'{why} (K drafts per step, e.g. 4)",
                           field="num_draft_tokens")
     param = next(target.model.parameters())
     draft = load_model(spec.draft_model, device=str(param.device), dtype=str(param.dtype).removeprefix("torch."),
