@@ -10,12 +10,16 @@ import time
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
+from blockspec.layers.cpu_quant import kernel_name as cpu_quant_kernel
 from blockspec.llm import LLM
 from blockspec.loading.detokenizer import IncrementalDecoder
 from blockspec.loading.loader import LoadedModel, load_model, resolve_device
 from blockspec.sampling import SamplingParams
 
 CPU_DRAFT_TOKENS = 4
+# under --cpu-quant q4 / q8: torch's quantized kernels work in blocks of 4 rows, so a verify step of 5 rows costs
+# about two of 4 (docs/perf.md)
+CPU_QUANT_DRAFT_TOKENS = 3
 # argmax drafts over the first half of SmolLM2's vocabulary on CPU: its BPE ids are roughly frequency-ordered, ids
 # below 24,576 are 98.6 % of the demo's output tokens, and the drafter's head pass (the spec step's largest extra
 # weight read after the target's) halves. Lossless: the target verifies, only drafts of rarer ids are never made
@@ -67,27 +71,28 @@ def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tup
 
 
 def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None = "cpu",
-             num_draft_tokens: int | None = None, fp32_draft: bool = False) -> int:
+             num_draft_tokens: int | None = None, fp32_draft: bool = False, cpu_quant: str = "off") -> int:
     t0 = time.perf_counter()
     dev = resolve_device(device)
     on_cpu = dev.type == "cpu"
     # on a CPU the target's linears are packed once for oneDNN (plain and spec alike): a step reads the weights
     # faster, and a verify step of K + 1 rows costs about what a 1-row step does (MKL's small GEMMs do not)
     packed = cpu_packed.fp32_supported(dev)
-    lm = load_model(model, device=device, cpu_packed=packed)
+    lm = load_model(model, device=device, cpu_packed=packed, cpu_quant=cpu_quant if on_cpu else "off")
     assert lm.tokenizer is not None
     if num_draft_tokens is None and on_cpu:
         # the drafter's 16-row pass is paid every step whatever K is, so K is where more drafts stop paying for
         # themselves: K = 3, 4 and 5 measure within run-to-run noise of each other here (docs/perf.md)
-        num_draft_tokens = CPU_DRAFT_TOKENS
+        num_draft_tokens = CPU_DRAFT_TOKENS if lm.cpu_quant == "off" else CPU_QUANT_DRAFT_TOKENS
     # on a CPU with bf16 units the drafter runs in bf16 on weights packed once for oneDNN (a cheaper spec step): the
     # fp32 target verifies every draft, so the outputs stay those of plain fp32 decoding
     cpu_bf16 = on_cpu and not fp32_draft and cpu_packed.bf16_supported(dev)
     # the drafter still drafts its trained block (16 rows through a few small layers, cheap next to verifying):
     # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
     draft = _load_bundled_draft(lm, num_draft_tokens, on_cpu, cpu_bf16) if model is None else None
-    target = " (fp32, oneDNN-packed)" if packed else ""
-    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN-packed)' if cpu_bf16 else target}" if draft else ""
+    fp32 = " (fp32, oneDNN-packed)" if packed else ""
+    target = f" (fp32; linears: {cpu_quant_kernel(lm.cpu_quant)})" if lm.cpu_quant != "off" else fp32
+    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN-packed)' if cpu_bf16 else fp32}" if draft else ""
     print(f"loaded {lm.source.name}{target}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     plain = LLM.from_loaded(lm, None, max_num_seqs=1)
     spec = LLM.from_loaded(lm, draft, max_num_seqs=1) if draft is not None else None
@@ -96,7 +101,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     for llm in (plain, spec):  # first-call costs (allocation, kernel selection) stay out of the timings
         if llm is not None:
             _stream(llm, warm, SamplingParams(max_tokens=4), show=False)
-    totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "acc": []}
+    totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "acc": [], "differ": 0}
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}\n", flush=True)
         ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -110,6 +115,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
         ref, _, dt_plain = _stream(plain, ids, params, show=False)
         if ref != tokens:  # lossless by construction; say so loudly if it ever is not
             print("\n[warning: speculative output differs from plain decoding]", flush=True)
+            totals["differ"] += 1
         tau = sum(acc) / len(acc) if acc else 1.0
         print(f"\n[spec: {len(tokens)} tokens in {dt:.2f}s = {len(tokens) / dt:.1f} tok/s, tau {tau:.2f} | "
               f"no-spec: {len(ref) / dt_plain:.1f} tok/s | speedup {dt_plain / dt:.2f}x]", flush=True)
@@ -124,7 +130,9 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
         return 0
     spec_rate = totals["spec_tokens"] / totals["spec_s"]
     tau = sum(totals["acc"]) / max(1, len(totals["acc"]))
+    differ = totals["differ"]
+    same = f"outputs differ on {differ} of {len(DEMO_PROMPTS)} prompts" if differ else "same outputs"
     print(f"\nDFlash speculative decoding: tau {tau:.2f}, {spec_rate:.1f} tok/s vs {plain_rate:.1f} tok/s without "
           f"speculation: {totals['plain_s'] / totals['spec_s'] * totals['spec_tokens'] / totals['plain_tokens']:.2f}x "
-          f"(same outputs, measured in this run)")
+          f"({same}, measured in this run)")
     return 0

@@ -21,10 +21,11 @@ from blockspec.speculative.registry import load_proposer, method_of
 class LLM:
     def __init__(self, model: str | None = None, speculative_config: SpeculativeConfig | dict | None = None,
                  device: str | None = None, dtype: str | None = None, cpu_packed: bool = False,
-                 batch_invariant: bool = False, **engine_config) -> None:
+                 batch_invariant: bool = False, cpu_quant: str = "off", **engine_config) -> None:
         """cpu_packed: on the CPU, the target's linears packed once for oneDNN (faster steps, same dtype; see
         layers/cpu_packed.py). batch_invariant: on the GPU, the target computed the same way whatever the batch
-        (layers/invariant_linear.py): greedy speculative output equals plain decoding in bf16 too."""
+        (layers/invariant_linear.py): greedy speculative output equals plain decoding in bf16 too. cpu_quant:
+        auto | q8 | q4 | off, on the CPU the target's linears on packed int8 / int4 weights (layers/cpu_quant.py)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(**engine_config)
@@ -33,6 +34,9 @@ class LLM:
             if cpu_packed:
                 raise ConfigError("cpu_packed=True is not supported with tensor_parallel_size > 1 (packed linears "
                                   "cannot be sharded)")
+            if cpu_quant != "off":
+                raise ConfigError(f"cpu_quant={cpu_quant!r} is not supported with tensor_parallel_size > 1 "
+                                  f"(quantized linears cannot be sharded)", field="cpu_quant")
             if batch_invariant:
                 raise ConfigError("batch_invariant=True is not supported with tensor_parallel_size > 1 (the sharded "
                                   "linears and all-reduces are not batch-invariant)")
@@ -49,7 +53,8 @@ class LLM:
             self.lm, self.engine = self.tp.lm, self.tp.engine
             self.tokenizer = self.lm.tokenizer
             return
-        self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed, batch_invariant=batch_invariant)
+        self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed, batch_invariant=batch_invariant,
+                             cpu_quant=cpu_quant)
         self.tokenizer = self.lm.tokenizer
         proposer = load_proposer(speculative_config, self.lm) if speculative_config is not None else None
         self.engine = LLMEngine(self.lm, proposer, config)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dense_cache import DenseCausalAttention, DenseKVCache
+from blockspec.layers.norm import rms_norm
 from blockspec.loading.loader import load_model
 from hf_utils import make_hf_model, save_hf_model
 
@@ -104,3 +105,14 @@ def test_transformers5_style_config(tmp_path):
                               "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
     assert (v4.rope_theta, v4.rope_scaling["factor"], v4.dtype) == (v5.rope_theta, v5.rope_scaling["factor"], v5.dtype)
     assert v4.rope_scaling["rope_type"] == v5.rope_scaling["rope_type"] == "linear"
+
+
+def test_cpu_rms_norm_fast_path_equals_the_formula():
+    """On CPU in fp32 rms_norm takes torch's one-call rms_norm (fewer eager ops per decode step): it must equal the
+    fp32 formula bit for bit, or plain and speculative decoding, and HF parity, could drift with the torch version."""
+    g = torch.Generator().manual_seed(0)
+    for rows, dim, eps in [(1, 576, 1e-5), (4, 576, 1e-5), (17, 896, 1e-6), (3, 64, 1e-6), (33, 1536, 1e-6)]:
+        x = torch.randn(rows, dim, generator=g) * 7
+        w = torch.randn(dim, generator=g)
+        formula = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        assert torch.equal(rms_norm(x, w, eps), formula)

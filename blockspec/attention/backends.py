@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 
 from blockspec.attention import paged_ref
-from blockspec.attention.paged_ref import PagedBatch, PagedDraftAttention, PagedTargetAttention
+from blockspec.attention.paged_ref import (PagedBatch, PagedDraftAttention, PagedTargetAttention,
+                                           RowwiseTargetAttention)
 from blockspec.errors import ConfigError
 from blockspec.kv.pool import KVPool
 from blockspec.models.base import AttentionBase, PagedDest
@@ -85,11 +86,19 @@ BACKENDS: dict[str, AttentionBackend] = {
 INVARIANT = AttentionBackend(InvariantTargetAttention, TritonDraftAttention, _triton_store, capturable=True)
 
 
-def get_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+# The reference target attention with each decode / verify row computed as a one-row decode step, for targets whose
+# linears round activations to bf16 (the quantized CPU kernels: LoadedModel.row_invariant).
+ROWWISE = AttentionBackend(RowwiseTargetAttention, PagedDraftAttention, paged_ref.store, capturable=False)
+
+
+def get_backend(name: str, device: torch.device, batch_invariant: bool = False,
+                row_invariant: bool = False) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend={name!r}: expected one of auto, {', '.join(BACKENDS)}")
+    if row_invariant and name == "torch":
+        return ROWWISE
     if batch_invariant:
         if name != "triton":
             raise ConfigError(f"a batch-invariant target needs attention_backend='triton' (or 'auto' on CUDA), "

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from blockspec.cli.flags import add_device_args, add_max_tokens, add_model_arg, add_speculative_args
+from blockspec.cli.flags import add_cpu_quant_arg, add_device_args, add_max_tokens, add_model_arg, add_speculative_args
+
+# the demo runs the GGUF's quantized weights as they are (Q4_1 codes in the int4 kernel): plain decoding reads 4x
+# fewer weight bytes than the fp32 path; the outputs are the quantized model's (docs/perf.md)
+DEMO_CPU_QUANT = "auto"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -12,13 +16,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_max_tokens(p, 96)
     add_device_args(p, device="cpu", dtype=False)
     add_speculative_args(p, ["num_draft_tokens"], num_draft_tokens={
-        "help": "K drafts per block for the bundled drafter (default: 4 on CPU, where K = 3-5 measure best, see "
-                "docs/perf.md; block_size - 1 elsewhere)"})
+        "help": "K drafts per block for the bundled drafter (default: 4 on CPU, where K = 3-5 measure best, 3 under "
+                "--cpu-quant, see docs/perf.md; block_size - 1 elsewhere)"})
     p.add_argument("--fp32-draft", action="store_true",
                    help="keep the drafter in fp32 on CPUs with bf16 units too (what CPUs without them run)")
+    add_cpu_quant_arg(p, DEMO_CPU_QUANT)
 
 
 def run(args: argparse.Namespace) -> int:
     from blockspec.demo import run_demo
 
-    return run_demo(args.model, args.max_tokens, args.device, args.num_draft_tokens, fp32_draft=args.fp32_draft)
+    return run_demo(args.model, args.max_tokens, args.device, args.num_draft_tokens, fp32_draft=args.fp32_draft,
+                    cpu_quant=args.cpu_quant)

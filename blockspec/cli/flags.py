@@ -64,17 +64,29 @@ def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> 
                           max_tokens=args.max_tokens if max_tokens is None else max_tokens)
 
 
-def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True) -> None:
-    """The target's speed options (outputs unchanged): --cpu-packed (unless `cpu_packed` is False) and
-    --batch-invariant. The drafter's (--cpu-bf16-draft, --draft-vocab-size) are speculative flags."""
+def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True, cpu_quant: bool = False) -> None:
+    """The target's speed options: --cpu-packed (unless `cpu_packed` is False), --batch-invariant (outputs
+    unchanged) and, where the command passes it on (`cpu_quant`), --cpu-quant (the quantized model's outputs). The
+    drafter's (--cpu-bf16-draft, --draft-vocab-size) are speculative flags."""
     if cpu_packed:
         p.add_argument("--cpu-packed", action="store_true",
                        help="CPU: pack the target's (and the drafter's) linears once for oneDNN, in their own dtype "
                             "(plain and verify steps read the weights faster; a verify step of K + 1 rows costs about "
                             "a 1-row one)")
+    if cpu_quant:
+        add_cpu_quant_arg(p)
     p.add_argument("--batch-invariant", action="store_true",
                    help="GPU: the target's GEMMs and attention computed the same way whatever the batch, so greedy "
                         "speculative output equals plain decoding token for token in bf16 too (slower GEMMs)")
+
+
+def add_cpu_quant_arg(p: argparse.ArgumentParser, default: str = "off") -> None:
+    """--cpu-quant auto|q8|q4|off, checked at load (one line naming the flag), not by argparse choices (a usage
+    block)."""
+    p.add_argument("--cpu-quant", default=default, metavar="auto|q8|q4|off",
+                   help=f"CPU: the target's linears on packed int8 (q8) / int4 (q4) weights, dequantized inside the "
+                        f"kernel, with bf16 activations into them; auto: the fastest this CPU runs; off: as loaded "
+                        f"(default: {default}). Outputs are the quantized model's (docs/perf.md)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),
@@ -139,7 +151,7 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     """The model (also as the first argument), drafter and engine flags of serve and chat: what build_llm reads."""
     add_model_arg(p, positional=True)
     add_speculative_args(p)
-    add_speed_args(p)
+    add_speed_args(p, cpu_quant=True)
     add_device_args(p)
     add_engine_args(p, skip=["tensor_parallel_size"])  # the server runs on one device
 
@@ -149,4 +161,6 @@ def build_llm(args: argparse.Namespace) -> LLM:
     from blockspec.llm import LLM
 
     return LLM(model_source(args), speculative_config(args), device=args.device, dtype=args.dtype,
-               cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant, **engine_config(args))
+               cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant,
+               cpu_quant=getattr(args, "cpu_quant", "off"),  # off where the command does not offer --cpu-quant
+               **engine_config(args))

@@ -45,7 +45,8 @@ class LLMEngine:
         self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
         models = StepModels(lm.model, proposer, self.pool,
-                            get_backend(config.attention_backend, param.device, lm.batch_invariant))
+                            get_backend(config.attention_backend, param.device, lm.batch_invariant,
+                                        lm.row_invariant))
         self.runner = ModelRunner(models, acceptance or TargetAcceptance(), self.max_model_len, cfg.vocab_size,
                                   config.enforce_eager, config.max_num_seqs, config.split_mixed_steps)
         self.seqs: dict[str, Sequence] = {}

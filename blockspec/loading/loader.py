@@ -25,6 +25,13 @@ class LoadedModel:
     source: ModelSource
     cpu_packed: bool = False  # the linears are packed for oneDNN (load_model(cpu_packed=True)); the drafter follows
     batch_invariant: bool = False  # GEMMs and attention computed per row independently of the batch (GPU)
+    cpu_quant: str = "off"  # q4 | q8: the linears run on packed int4 / int8 weights (load_model(cpu_quant=...))
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether the CPU attention must compute each decode / verify row as a one-row step would: the quantized
+        kernels round activations to bf16, which turns CPU SDPA's ulp-level row differences into flipped tokens."""
+        return self.cpu_quant != "off"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -69,11 +76,12 @@ def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
 
 
 def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True,
-               cpu_packed: bool = False, batch_invariant: bool = False) -> LoadedModel:
-    """cpu_packed / batch_invariant: the platform variants of the linears (loading/prepare.py, TargetOptions)."""
+               cpu_packed: bool = False, batch_invariant: bool = False, cpu_quant: str = "off") -> LoadedModel:
+    """cpu_packed / batch_invariant / cpu_quant: the platform variants of the linears (loading/prepare.py,
+    TargetOptions)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    options = TargetOptions(cpu_packed, batch_invariant)
+    options = TargetOptions(cpu_packed, batch_invariant, cpu_quant).resolve(dev)
     options.check(dev, dt)
     source = resolve_source(src)
     cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
@@ -84,4 +92,4 @@ def load_model(src: str | None, device: str | None = None, dtype: str | None = N
     prepare_target(model, options)
     tok = source.load_tokenizer() if with_tokenizer else None
     return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, cpu_packed,
-                       batch_invariant)
+                       batch_invariant, options.cpu_quant)

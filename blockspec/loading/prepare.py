@@ -2,25 +2,29 @@
 platform runs, and no module changes shape afterwards.
 
 Target (load_model): nn.Linear (the reference; tensor-parallel shards are cut from these by distributed/shard.py),
-every linear packed for oneDNN (cpu_packed, layers/cpu_packed.py), or behind the batch-invariant GEMM
+every linear packed for oneDNN (cpu_packed, layers/cpu_packed.py), on packed int4 / int8 weights (cpu_quant,
+layers/cpu_quant.py; `auto` becomes the fastest mode this CPU runs here), or behind the batch-invariant GEMM
 (batch_invariant, layers/invariant_linear.py). On CUDA its fused Triton prologue runs by itself (layers/kernels.py).
 
 Drafter (load_draft): LinearQKV and nn.Linear (the reference and training; on CUDA the fused prologue runs by itself,
 as the target's), or, packed for oneDNN in its own dtype or in bf16 (a packed target's drafter, cpu_bf16_draft):
 PackedQKV, PackedContextKV and packed linears, its inputs cast into its dtype, and a packed copy of the target's head
 where the target's own cannot serve. Argmax drafts over the first draft_vocab_size token ids get a head of their
-own."""
+own. A quantized target's drafter drafts through the target's quantized head (and a quantized copy of its first
+draft_vocab_size rows); its layers stay packed in bf16 / fp32: they run 16-row blocks, where oneDNN's packed GEMMs
+beat the quantized kernels, whose cost grows with every 4 rows (docs/perf.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from blockspec.errors import BlockspecError
-from blockspec.layers import cpu_packed, kernels
+from blockspec.layers import cpu_packed, cpu_quant, kernels
 from blockspec.layers.cpu_packed import PackedLinear
+from blockspec.layers.cpu_quant import QuantLinear
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_io import Cast, OwnHead, VocabPrefixHead
 from blockspec.models.qkv import PackedContextKV, PackedQKV
@@ -31,19 +35,33 @@ class TargetOptions:
     """cpu_packed: every linear packed once for oneDNN (faster plain and verify steps on the CPU, same dtype; the
     model can then no longer be trained or moved). batch_invariant: every linear behind the batch-invariant GEMM,
     so with the engine's deterministic target attention greedy speculative output equals plain decoding bit for bit
-    in any dtype (GPU; on CPU only under the Triton interpreter, for tests)."""
+    in any dtype (GPU; on CPU only under the Triton interpreter, for tests). cpu_quant: auto | q8 | q4 | off, the
+    target's linears on packed int8 / int4 weights dequantized inside the kernel (CPU; bf16 activations into each
+    linear, so outputs are those of the quantized model, and greedy speculative output still equals its plain
+    decoding); linears whose shape the kernel does not take stay as cpu_packed leaves them."""
 
     cpu_packed: bool = False
     batch_invariant: bool = False
+    cpu_quant: str = "off"
+
+    def resolve(self, device: torch.device) -> TargetOptions:
+        """These options with cpu_quant `auto` replaced by the mode this device runs fastest (off where none)."""
+        return replace(self, cpu_quant=cpu_quant.resolve(self.cpu_quant, device))
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Refuse what this platform cannot run, before any weight is read."""
+        """Refuse what this platform cannot run, before any weight is read (cpu_quant resolved already)."""
         if self.cpu_packed:
             _check_cpu_packed(device, dtype)
+        if self.cpu_quant != "off" and not cpu_quant.supported(self.cpu_quant, device):
+            where = (f"the model is on {device}" if device.type != "cpu"
+                     else "this CPU or torch build has no vectorized kernel for it")
+            raise BlockspecError(f"cpu_quant={self.cpu_quant!r} (--cpu-quant) runs torch's CPU quantized matmuls, "
+                                 f"but {where}; use --cpu-quant auto or off")
         if self.batch_invariant:
-            if self.cpu_packed:
-                raise BlockspecError("batch_invariant=True (--batch-invariant) and cpu_packed=True (--cpu-packed) "
-                                     "exclude each other")
+            if self.cpu_packed or self.cpu_quant != "off":
+                flag = ("cpu_packed=True (--cpu-packed)" if self.cpu_packed
+                        else f"cpu_quant={self.cpu_quant!r} (--cpu-quant)")
+                raise BlockspecError(f"batch_invariant=True (--batch-invariant) and {flag} exclude each other")
             if not kernels.fused_device(device):
                 raise BlockspecError(f"batch_invariant=True (--batch-invariant) runs Triton kernels and needs a CUDA "
                                      f"device, got {device.type!r} (fp32 on CPU is the exactness reference instead)")
@@ -61,8 +79,10 @@ def _check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def prepare_target(model: nn.Module, options: TargetOptions) -> None:
-    """The target's linears in this platform's variant, in place (options checked already)."""
-    if options.cpu_packed:
+    """The target's linears in this platform's variant, in place (options resolved and checked already)."""
+    if options.cpu_quant != "off":
+        cpu_quant.quantize_target(model, options.cpu_quant)
+    if options.cpu_packed:  # after quantizing: packs the linears the quantized kernel does not take
         cpu_packed.pack_target(model)
     if options.batch_invariant:
         from blockspec.layers.invariant_linear import make_batch_invariant  # imports triton
@@ -85,8 +105,9 @@ def pack_draft(model: DFlashDraftModel, lm_head: nn.Module, dtype: torch.dtype, 
                vocab: int | None = None) -> None:
     """CPU inference: weights in `dtype` with every linear packed for oneDNN, q/k/v of each layer in one GEMM, the
     context k/v of all layers in one GEMM; for the drafts a packed copy of the target's lm_head unless the head is
-    already packed in `dtype` (the target keeps its head to verify), and of its first `vocab` rows for argmax drafts
-    when given. The original q/k/v weights are not kept. Not undone."""
+    already packed in `dtype` or quantized (the target keeps its head to verify), and of its first `vocab` rows for
+    argmax drafts when given (quantized as the target's head is, if it is). The original q/k/v weights
+    are not kept. Not undone."""
     model.to(dtype)
     attns = [layer.self_attn for layer in model.layers]
     model.context_proj = PackedContextKV([a.qkv_proj for a in attns], [a.k_norm for a in attns], dtype, rows_hint)
@@ -94,15 +115,27 @@ def pack_draft(model: DFlashDraftModel, lm_head: nn.Module, dtype: torch.dtype, 
         a.qkv_proj = PackedQKV(a.qkv_proj, a.q_norm, a.k_norm, dtype, rows_hint)
     cpu_packed.pack_linears(model, dtype, rows_hint)  # fc, o_proj, the MLPs
     model.input_cast = Cast(dtype)
-    if not (isinstance(lm_head, PackedLinear) and lm_head.dtype == dtype):  # else the target's head serves
+    serves = isinstance(lm_head, QuantLinear) or (isinstance(lm_head, PackedLinear) and lm_head.dtype == dtype)
+    if not serves:
         model.head = OwnHead(PackedLinear.from_linear(lm_head, dtype, rows_hint))
-    if vocab is not None:
-        model.greedy_head = OwnHead(PackedLinear(lm_head.weight[:vocab], None, dtype, rows_hint))
-    else:
+    if vocab is None:
         model.greedy_head = model.head
+        return
+    prefix = _quantized_prefix(lm_head, vocab)
+    model.greedy_head = OwnHead(prefix if prefix is not None
+                                else PackedLinear(lm_head.weight[:vocab], None, dtype, rows_hint))
 
 
 def limit_draft_vocab(model: DFlashDraftModel, lm_head: nn.Module, n: int) -> None:
     """Argmax drafts over the token ids < n only (SpeculativeConfig.draft_vocab_size), through a view of the first n
-    rows of the target's lm_head."""
-    model.greedy_head = OwnHead(VocabPrefixHead(lm_head, n))
+    rows of the target's lm_head (a quantized copy of them when the target's head is quantized)."""
+    prefix = _quantized_prefix(lm_head, n)
+    model.greedy_head = OwnHead(prefix if prefix is not None else VocabPrefixHead(lm_head, n))
+
+
+def _quantized_prefix(lm_head: nn.Module, n: int) -> QuantLinear | None:
+    """The first n rows of a quantized target head, quantized as the head is (each row is quantized on its own, so
+    these are the head's own codes), or None where the head is not quantized or the kernel does not take n rows."""
+    if not isinstance(lm_head, QuantLinear) or not cpu_quant.fits(lm_head.mode, lm_head.weight[:n]):
+        return None
+    return cpu_quant.quantize(lm_head.mode, lm_head.weight[:n], None)

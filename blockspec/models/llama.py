@@ -43,13 +43,13 @@ class Attention(nn.Module):
             q, k, v = split_qkv_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms, cos, sin,
                                           attn.kv_destination(self.layer_idx))
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.view(T, self.num_kv_heads, self.head_dim)
+            heads = qkv.view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if qn is not None:
-                q, k = qn(q), kn(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                q, k = apply_rotary(qn(q), cos, sin), apply_rotary(kn(k), cos, sin)
+            else:  # q and k rotated in one pass over their heads (the same arithmetic per element, fewer eager ops)
+                q, k = apply_rotary(heads[:, :self.num_heads + self.num_kv_heads], cos, sin).split(
+                    [self.num_heads, self.num_kv_heads], dim=1)
         out = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
