@@ -1,8 +1,10 @@
 """Where a CPU decode step's time goes (docs/perf.md): the bundled SmolLM2 pair as the demo sets it up, one demo
 prompt decoded plainly or with DFlash, then again under torch's profiler; ms per step for the quantized matmuls,
 oneDNN's packed matmuls (the drafter), SDPA, the paged KV gathers and stores, casts and copies, and every other op
-(self time, so nested ops are not counted twice); the rest of the wall time is Python and the engine.
-Usage: python -m benchmarks.cpu_step_profile [--threads 2] [--cpu-quant auto] [--spec] [--prompt 0]"""
+(self time, so nested ops are not counted twice); the rest of the wall time is Python and the engine. Then the same
+decode without the profiler, the wall time of the step's parts (the target's attention calls, MLPs and head, the
+whole target forward, the proposer's draft pass) measured around them, which the profiler's per-op overhead does not
+inflate. Usage: python -m benchmarks.cpu_step_profile [--threads 2] [--cpu-quant auto] [--spec] [--prompt 0]"""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from blockspec.attention import paged_ref
 from blockspec.config import SpeculativeConfig
 from blockspec.demo import CPU_DRAFT_TOKENS, CPU_DRAFT_VOCAB, CPU_QUANT_DRAFT_TOKENS, DEMO_PROMPTS
 from blockspec.layers import cpu_packed
@@ -20,6 +23,8 @@ from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
+from blockspec.models import llama
+from blockspec.speculative.dflash import DFlashProposer
 from blockspec.sampling import SamplingParams
 
 PARTS = [("quantized matmuls", ("int4pack", "int8pack")), ("oneDNN packed matmuls", ("linear_pointwise",)),
@@ -75,7 +80,46 @@ def main() -> int:
     ops = sum(parts.values())
     print(f"  {'all ops':26s} {ops:6.2f} ms per step; the step under the profiler {wall / steps * 1e3:.2f} ms, so "
           f"{wall / steps * 1e3 - ops:.2f} ms outside ops (Python, engine)")
+    wall, times = timed_parts(llm, ids, params)
+    print(f"wall time of the step's parts, no profiler ({wall / steps * 1e3:.2f} ms per step):")
+    for name, seconds in times.items():
+        print(f"  {name:26s} {seconds / steps * 1e3:6.2f} ms per step")
     return 0
+
+
+# (part, class, method); the row-wise attention overrides __call__ without calling its parent's: no double count
+PARTS_TIMED = [("target forward", llama.LlamaForCausalLM, "forward"),
+               ("  attention calls", paged_ref.PagedTargetAttention, "__call__"),
+               ("  attention calls", paged_ref.RowwiseTargetAttention, "__call__"),
+               ("  MLPs", llama.MLP, "forward"),
+               ("  head", llama.LlamaForCausalLM, "compute_logits"),
+               ("draft pass (propose)", DFlashProposer, "propose"),
+               ("draft context append", DFlashProposer, "append_context")]
+
+
+def timed_parts(llm: LLM, ids: list[int], params: SamplingParams) -> tuple[float, dict[str, float]]:
+    """One decode with a clock around each part of PARTS_TIMED (the methods wrapped for the run, then restored)."""
+    times: dict[str, float] = defaultdict(float)
+    saved = [(cls, name, cls.__dict__[name]) for _, cls, name in PARTS_TIMED]
+
+    def clocked(part: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[part] += time.perf_counter() - start
+        return run
+
+    for part, cls, name in PARTS_TIMED:
+        setattr(cls, name, clocked(part, cls.__dict__[name]))
+    try:
+        start = time.perf_counter()
+        llm.generate([ids], params, use_tqdm=False)
+        return time.perf_counter() - start, dict(times)
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
 
 
 if __name__ == "__main__":
