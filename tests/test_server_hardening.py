@@ -10,7 +10,7 @@
   (ForcedAcceptance, whose outputs are the target's greedy tokens).
 
 Lone surrogates, the KV-pool 400's param and /v1/models' max_model_len are in test_server_errors.py, the Bearer
-scheme in test_server.py, the 503 after SIGTERM in test_server_cli.py, a tiny top_p in test_sampling.py."""
+scheme in test_server.py, the 503 after SIGTERM in test_server_cli.py, a tiny top_p in test_top_p_underflow.py."""
 
 from __future__ import annotations
 

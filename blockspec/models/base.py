@@ -34,3 +34,12 @@ class ForwardOutput:
     logits: torch.Tensor | None  # [R, vocab] at the requested rows (fp32)
     taps: torch.Tensor | None  # [T, len(tap_layers) * hidden]: residual stream after each tapped layer, concatenated
     hidden: torch.Tensor  # [T, hidden] final-normed hidden states
+
+
+def packed_shard_sizes(config, param: str) -> list[int]:
+    """Row sizes of the shards packed into a fused parameter (qkv_proj: q, k, v; gate_up_proj: gate, up) of a
+    decoder layer with `config`'s shape (a target's ModelConfig or a drafter's config): for the loaders and export."""
+    if "qkv_proj" in param:
+        kv = config.num_key_value_heads * config.head_dim
+        return [config.num_attention_heads * config.head_dim, kv, kv]
+    return [config.intermediate_size, config.intermediate_size]

@@ -17,7 +17,7 @@ from torch import nn
 
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
-from blockspec.models.base import PagedDest
+from blockspec.models.base import PagedDest, packed_shard_sizes
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.models.dflash_io import DraftHead
 from blockspec.models.llama import MLP
@@ -100,11 +100,7 @@ class DFlashDraftModel(nn.Module):
 
     def shard_sizes(self, param: str) -> list[int]:
         """Row sizes of the shards packed into a fused parameter (for the loader and the export)."""
-        c = self.config
-        if "qkv_proj" in param:
-            kv = c.num_key_value_heads * c.head_dim
-            return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+        return packed_shard_sizes(self.config, param)
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor, paged: Callable[[int], PagedDest] | None = None
                    ) -> list[KV]:

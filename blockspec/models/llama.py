@@ -15,7 +15,7 @@ from torch import nn
 from blockspec.layers import kernels
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
-from blockspec.models.base import AttentionFn, ForwardOutput
+from blockspec.models.base import AttentionFn, ForwardOutput, packed_shard_sizes
 from blockspec.models.config import ModelConfig
 
 
@@ -117,11 +117,7 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_sizes(self, param: str) -> list[int]:
         """Row sizes of the shards packed into a fused parameter (for the loader)."""
-        c = self.config
-        if "qkv_proj" in param:
-            kv = c.num_key_value_heads * c.head_dim
-            return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+        return packed_shard_sizes(self.config, param)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
