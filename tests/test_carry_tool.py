@@ -205,3 +205,55 @@ def test_cli_split_and_plan(tmp_path: Path, blob: Path, monkeypatch: pytest.Monk
     out = capsys.readouterr().out
     assert out.count("\ncarry: [") == 5 and '# call 5/5\ncarry: [".carry/m/part005.bin"]' in out
     assert "mv $T .cache/models/model.gguf" in out
+
+
+def test_back_parts_fit_the_way_back_and_join_to_the_same_drafter(tmp_path: Path) -> None:
+    """A drafter's model.safetensors, cut on the device by `back` and joined here, loads to the same tensors."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"fc.weight": torch.randn(64, 96).to(torch.bfloat16), "norm.weight": torch.ones(64, dtype=torch.bfloat16)}
+    src = tmp_path / "run" / "model.safetensors"
+    src.parent.mkdir()
+    save_file(tensors, str(src), metadata={"format": "pt"})
+    back = tmp_path / "OUT" / "model-parts"
+    m = carry.split_back(src, back, 5000)
+    assert [p["size"] for p in m["parts"]][:-1] == [5000] * (len(m["parts"]) - 1) and len(m["parts"]) == 3
+    assert m["file"] == "model.safetensors" and m["sha256"] == sha256_of(src)
+    assert all(carry.SAFE_NAME.match(p.name) for p in back.iterdir())  # the only names a call brings back
+    joined = carry.join(back, tmp_path / "drafter" / "model.safetensors")
+    assert joined.read_bytes() == src.read_bytes()
+    got = load_file(str(joined))
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_back_refuses_parts_over_the_return_cap(blob: Path, tmp_path: Path) -> None:
+    with pytest.raises(carry.CarryError) as e:
+        carry.split_back(blob, tmp_path / "p", carry.RETURN_FILE + 1)
+    assert str(e.value) == f"--mib: a part that comes back holds 1 byte to 16 MiB (got {16 * carry.MIB + 1} bytes)"
+    with pytest.raises(SystemExit, match=r"^error: --mib: a part that comes back holds 1 byte to 16 MiB "
+                                         r"\(got 17825792 bytes\)$"):
+        carry.main(["back", str(blob), "--parts-dir", str(tmp_path / "p"), "--mib", "17"])
+    assert not (tmp_path / "p").exists()
+
+
+def test_return_calls_count_files_and_bytes() -> None:
+    mib = carry.MIB
+    assert carry.return_calls([mib] * 8) == 1
+    assert carry.return_calls([mib] * 9) == 2  # eight files a call
+    assert carry.return_calls([15 * mib] * 5) == 2  # 75 MiB: over the 64 a call returns
+    assert carry.return_calls([16 * mib] * 4 + [1]) == 2
+    # the Qwen2.5-Coder-1.5B drafter of tools/train_target_drafter.sh (47,994,392 bytes): manifest, 4 parts, run.tgz
+    drafter = 47_994_392
+    assert carry.return_calls([2_000] + [carry.BACK_PART] * 3 + [drafter - 3 * carry.BACK_PART] + [200_000]) == 1
+    with pytest.raises(carry.CarryError, match=r"^a 16\.0 MiB file never comes back \(at most 16 MiB a file\)"):
+        carry.return_calls([16 * mib + 1])
+
+
+def test_cli_back_then_join(blob: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parts = tmp_path / "OUT" / "model-parts"
+    carry.main(["back", str(blob), "--parts-dir", str(parts), "--mib", str(PART / carry.MIB)])
+    out = capsys.readouterr().out
+    assert f"-> 5 parts + manifest.json in {parts}: 1 call(s) bring them back" in out
+    carry.main(["join", str(parts), str(tmp_path / "here" / "model.gguf")])
+    assert (tmp_path / "here" / "model.gguf").read_bytes() == blob.read_bytes()

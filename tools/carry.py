@@ -5,10 +5,13 @@ and the machine keeps what a call wrote only while it stays warm. So a big file 
 parts, one per call, back to back: `split` cuts it into parts that fit next to the measured tree and writes a
 manifest (each part's size and sha256, the whole file's); `plan` prints, per call, the `carry` path and the shell
 command that checks the part and appends it on the machine, the last one joining, checking and moving the whole
-file into place; `join` does the same here. Usage:
+file into place; `join` does the same here. The way back is narrower (a call returns at most 8 files of 16 MiB, 64 MiB
+in all, from the device's $OUT): `back` cuts a file written there (a trained drafter's model.safetensors) into parts
+that each come back, in any folder, and `join` re-assembles them here. Usage:
   python tools/carry.py split FILE --parts-dir .carry/NAME [--mib N]
   python tools/carry.py plan .carry/NAME [--dest PATH] [--stage DIR]
-  python tools/carry.py join .carry/NAME DEST"""
+  python tools/carry.py join .carry/NAME DEST
+  python tools/carry.py back FILE --parts-dir $OUT/NAME [--mib N]     # on the device machine; then join here"""
 
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one device call may send: the tree plus its carried paths
 MARGIN = 2 * MIB  # the tree grows between a split and the last call (other people's edits)
 MANIFEST = "manifest.json"
+RETURN_FILE = 16 * MIB  # the largest file one call brings back from the device's $OUT
+RETURN_FILES = 8  # files one call brings back
+RETURN_TOTAL = 64 * MIB  # bytes one call brings back
+BACK_PART = 15 * MIB  # a MiB under RETURN_FILE: a part at the cap itself is one rounding away from being left out
 # names and paths end up unquoted inside the device commands: keep them to characters no shell treats specially
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 SAFE_PATH = re.compile(r"^[A-Za-z0-9._/-]+$")
@@ -95,6 +102,28 @@ def split(file: Path, parts_dir: Path, part_bytes: int) -> dict:
                 "parts": parts}
     (parts_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def split_back(file: Path, parts_dir: Path, part_bytes: int = BACK_PART) -> dict:
+    """split() for the way back from the device: any folder (no tree shares the way back, so no size is measured),
+    parts no larger than one returned file may be."""
+    if not 1 <= part_bytes <= RETURN_FILE:
+        raise CarryError(f"--mib: a part that comes back holds 1 byte to {RETURN_FILE // MIB} MiB "
+                         f"(got {part_bytes} bytes)")
+    return split(file, parts_dir, part_bytes)
+
+
+def return_calls(sizes: list[int]) -> int:
+    """How many calls bring back files of these sizes, in order, each call at most RETURN_FILES files and
+    RETURN_TOTAL bytes."""
+    calls, files, total = 1, 0, 0
+    for size in sizes:
+        if size > RETURN_FILE:
+            raise CarryError(f"a {size / MIB:.1f} MiB file never comes back (at most {RETURN_FILE // MIB} MiB a file)")
+        if files == RETURN_FILES or total + size > RETURN_TOTAL:
+            calls, files, total = calls + 1, 0, 0
+        files, total = files + 1, total + size
+    return calls
 
 
 def read_manifest(parts_dir: Path) -> dict:
@@ -194,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("parts_dir", type=Path)
     pl.add_argument("--dest", help="final path on the device, from the repository root (default .cache/models/FILE)")
     pl.add_argument("--stage", default="/tmp/carry", help="where the device stages the partial file")
+    b = sub.add_parser("back", help="on the device: cut FILE into parts that each come back from $OUT")
+    b.add_argument("file", type=Path)
+    b.add_argument("--parts-dir", type=Path, required=True, help="a new folder under the device's $OUT")
+    b.add_argument("--mib", type=float, default=BACK_PART / MIB, help=f"part size (default {BACK_PART // MIB})")
     j = sub.add_parser("join", help="join and verify the parts here")
     j.add_argument("parts_dir", type=Path)
     j.add_argument("dest", type=Path)
@@ -221,6 +254,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"(each within ~30 s of the last, while the machine is warm)")
             for i, call in enumerate(calls, start=1):
                 print(f"\n# call {i}/{len(calls)}\ncarry: {json.dumps([call.carry])}\ncommand: {call.command}")
+        elif args.cmd == "back":
+            m = split_back(args.file, args.parts_dir, round(args.mib * MIB))
+            sizes = [(args.parts_dir / MANIFEST).stat().st_size] + [part["size"] for part in m["parts"]]
+            print(f"{args.file}: {m['size']} bytes, sha256 {m['sha256']} -> {len(m['parts'])} parts + {MANIFEST} in "
+                  f"{args.parts_dir}: {return_calls(sizes)} call(s) bring them back; then "
+                  f"`python tools/carry.py join <that folder> DEST` here")
         else:
             dest = join(args.parts_dir, args.dest)
             print(f"{dest}: joined and verified")

