@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from blockspec.attention.backends import get_backend
 from blockspec.config import EngineConfig
@@ -29,10 +30,14 @@ class LLMEngine:
         ForcedAcceptance)."""
         self.lm = lm
         self.proposer = proposer = as_proposer(draft)
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         cfg = lm.config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.model.parameters())
+        if proposer is not None and config.draft_len_schedule is None:
+            # the drafter's own measured schedule for this device, if it carries one (speculative/schedule.py)
+            config = replace(config, draft_len_schedule=proposer.default_draft_len_schedule(param.device))
+        self.config = config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         blocks = config.num_kv_blocks
         if blocks is None:
             tokens = min(config.kv_cache_tokens, config.max_num_seqs * self.max_model_len)

@@ -4,6 +4,7 @@ and prepare it for the target's platform (loading/prepare.py): ready to run, on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ class LoadedDraft:
     model: DFlashDraftModel
     config: DFlashConfig
     spec: ResolvedSpec
+    source: Path | None = None  # the checkpoint directory it was loaded from (None: built in memory)
 
 
 def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
@@ -45,7 +47,7 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     pack = torch.bfloat16 if spec.cpu_bf16_draft else param.dtype if target.cpu_packed else None
     prepare_draft(model, target.model.lm_head, pack, resolved.draft_rows(resolved.num_draft_tokens),
                   spec.draft_vocab_size)
-    return LoadedDraft(model.eval(), cfg, resolved)
+    return LoadedDraft(model.eval(), cfg, resolved, source.path if source.path.is_dir() else None)
 
 
 def _check_cpu_bf16(device: torch.device) -> None:

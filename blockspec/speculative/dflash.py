@@ -12,6 +12,7 @@ from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import CacheShape
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.speculative.proposer import CommittedRows, DraftBatch, Proposal, Proposer, StepModels
+from blockspec.speculative.schedule import load_schedule
 
 
 class DFlashProposer(Proposer):
@@ -25,6 +26,10 @@ class DFlashProposer(Proposer):
         self.cache_dtype = draft.model.dtype  # bf16 under an fp32 target with cpu_bf16_draft
         self.num_draft_tokens = draft.spec.num_draft_tokens
         self.probabilistic = draft.spec.probabilistic_drafting
+
+    def default_draft_len_schedule(self, device: torch.device) -> dict[int, int] | None:
+        source = self.draft.source
+        return load_schedule(source, device) if source is not None else None
 
     def draft_rows(self, K: int) -> int:
         return self.spec.draft_rows(K)  # the trained block size with full_block_drafting

@@ -76,6 +76,11 @@ class Proposer(ABC):
         """Rows of one request's draft block when it proposes K drafts."""
         return K + 1
 
+    def default_draft_len_schedule(self, device: torch.device) -> dict[int, int] | None:
+        """K by batch size measured for this proposer on `device` (speculative/schedule.py), or None: the engine's
+        default when it is given none."""
+        return None
+
     @abstractmethod
     def append_context(self, models: StepModels, rows: CommittedRows) -> None: ...
 
