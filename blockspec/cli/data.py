@@ -50,6 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockspec.data.prompts import read_prompts
     from blockspec.errors import BlockspecError
+    from blockspec.train.distributed import AllRanksError
     from blockspec.train.launch import join, launched, leave
 
     if args.limit is not None and args.limit < 1:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     spec = speculative_config(args)
     dp = join(args.device, args.dist_timeout, op_timeout=MERGE_TIMEOUT) if launched() else None
     main = dp is None or dp.main
-    ok = False
+    together = False  # whether every rank ends here at once (then they wait for each other before tearing down)
     try:
         found = read_prompts(args.prompts, first_turn_only=args.first_turn_only)
         for f in found.files if main else ():
@@ -65,9 +66,12 @@ def run(args: argparse.Namespace) -> int:
             if f.note:
                 print(f"  note: {f.note}", file=sys.stderr)
         manifest = _build(args, spec, found, found.prompts[: args.limit], dp)
-        ok = True
+        together = True
+    except AllRanksError:
+        together = True
+        raise
     finally:
-        leave(dp, together=ok)
+        leave(dp, together=together)
     m = manifest.meta
     if main:
         print(f"wrote {manifest.num_sequences} sequences ({manifest.num_tokens} tokens, "

@@ -32,6 +32,12 @@ def check_global_batch(grad_accum: int, world_size: int) -> int:
     return grad_accum // world_size
 
 
+class AllRanksError(BlockspecError):
+    """Raised on every rank at the same point (DataParallel.agree / together): no rank is left inside a collective,
+    so the ranks can wait for each other before tearing down (launch.leave(together=True)); a gloo rank that tears
+    down while its peer still talks to it makes that peer abort (exit -6) after its one line."""
+
+
 @dataclass(frozen=True)
 class DataParallel:
     rank: int
@@ -72,7 +78,7 @@ class DataParallel:
         values = self.gather(value)
         for r, v in enumerate(values):
             if v != values[0]:
-                raise BlockspecError(f"rank {r}'s {what} differs from rank 0's{_difference(values[0], v)}: {fix}")
+                raise AllRanksError(f"rank {r}'s {what} differs from rank 0's{_difference(values[0], v)}: {fix}")
 
     def together(self, fn: Callable[[], T]) -> T:
         """fn() on every rank; if it failed on any rank, every rank raises that failure (the first rank's), so none is
@@ -86,7 +92,7 @@ class DataParallel:
             raise error  # a bug: keep its traceback on the rank where it happened
         bad = next((r for r, f in enumerate(failures) if f is not None), None)
         if bad is not None:
-            raise BlockspecError(f"rank {bad}: {failures[bad]}")
+            raise AllRanksError(f"rank {bad}: {failures[bad]}")
         return result  # type: ignore[return-value]
 
     def any(self, flag: bool) -> bool:
