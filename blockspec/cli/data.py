@@ -50,28 +50,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockspec.data.prompts import read_prompts
     from blockspec.errors import BlockspecError
-    from blockspec.train.distributed import AllRanksError
-    from blockspec.train.launch import join, launched, leave
+    from blockspec.train.launch import join, launched, session
 
     if args.limit is not None and args.limit < 1:
         raise BlockspecError(f"--limit must be >= 1, got {args.limit}")
     spec = speculative_config(args)
     dp = join(args.device, args.dist_timeout, op_timeout=MERGE_TIMEOUT) if launched() else None
     main = dp is None or dp.main
-    together = False  # whether every rank ends here at once (then they wait for each other before tearing down)
-    try:
+    with session(dp):
         found = read_prompts(args.prompts, first_turn_only=args.first_turn_only)
         for f in found.files if main else ():
             print(f"{f.path}: {f.num_records} records, {len(f.prompts)} prompts", file=sys.stderr)
             if f.note:
                 print(f"  note: {f.note}", file=sys.stderr)
         manifest = _build(args, spec, found, found.prompts[: args.limit], dp)
-        together = True
-    except AllRanksError:
-        together = True
-        raise
-    finally:
-        leave(dp, together=together)
     m = manifest.meta
     if main:
         print(f"wrote {manifest.num_sequences} sequences ({manifest.num_tokens} tokens, "

@@ -78,8 +78,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blockspec.errors import BlockspecError
-    from blockspec.train.distributed import AllRanksError, check_global_batch
-    from blockspec.train.launch import join, launched, leave, world
+    from blockspec.train.distributed import check_global_batch
+    from blockspec.train.launch import join, launched, session, world
 
     cfg = TrainConfig(**flags_given(args, TrainConfig))
     if args.eval_num_prompts is not None and args.eval_num_prompts < 0:
@@ -97,15 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if launched():
         check_global_batch(cfg.grad_accum, world()[1])  # before the rendezvous: every rank says it, none waits
         dp = join(args.device, args.dist_timeout, fsdp=args.fsdp)
-    together = False  # whether every rank ends here at once (then they wait for each other before tearing down)
-    try:
+    with session(dp):
         report = _train(args, cfg, dp)
-        together = True
-    except AllRanksError:
-        together = True
-        raise
-    finally:
-        leave(dp, together=together)
     if dp is None or dp.main:
         tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
         if report["val"] is not None:

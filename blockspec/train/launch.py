@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from blockspec.distributed.parallel_state import MULTICAST_OFF
 from blockspec.errors import BlockspecError
 from blockspec.loading.loader import resolve_device
-from blockspec.train.distributed import DataParallel
+from blockspec.train.distributed import AllRanksError, DataParallel
 
 RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Collectives after set-up wait this long: rank 0 alone runs the engine's tau evaluation and writes checkpoints
@@ -108,3 +110,18 @@ def leave(dp: DataParallel | None, together: bool = False) -> None:
         except RuntimeError:
             pass
     dist.destroy_process_group()
+
+
+@contextmanager
+def session(dp: DataParallel | None) -> Iterator[None]:
+    """The body of a launched command: on the way out the ranks leave their process groups together (a bounded
+    barrier first) after a good run or an error every rank raised at once (AllRanksError), else at once."""
+    together = False
+    try:
+        yield
+        together = True
+    except AllRanksError:
+        together = True
+        raise
+    finally:
+        leave(dp, together=together)
