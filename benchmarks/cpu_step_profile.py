@@ -87,10 +87,9 @@ def main() -> int:
     return 0
 
 
-# (part, class, method); the row-wise attention overrides __call__ without calling its parent's: no double count
+# (part, class, method); the row-wise attention inherits __call__ (it overrides attend_sequence only)
 PARTS_TIMED = [("target forward", llama.LlamaForCausalLM, "forward"),
                ("  attention calls", paged_ref.PagedTargetAttention, "__call__"),
-               ("  attention calls", paged_ref.RowwiseTargetAttention, "__call__"),
                ("  MLPs", llama.MLP, "forward"),
                ("  head", llama.LlamaForCausalLM, "compute_logits"),
                ("draft pass (propose)", DFlashProposer, "propose"),

@@ -4,7 +4,7 @@ method (none, ngram, draft-model, dflash) x batch, tau and tokens/s against plai
 Each speculative row is one `evaluate_draft` call (blockspec/evaluation/eval_draft.py, what `blockspec eval-draft`
 runs): plain and speculative engines warmed up on stand-ins, timed alternately (plain, spec, spec, plain, ...),
 medians. The `none` row is `bench` without a drafter (evaluation/throughput.py, the same warm-up and plain runs), on
-evaluate_draft's engine sizing with K = 0. Greedy, chat template, `--max-tokens` new tokens.
+evaluate_draft's engine sizing with K = 0 (eval_engine). Greedy, chat template, `--max-tokens` new tokens.
 
 The baseline is measured per row, not shared by the rows of a (dataset, batch): the protocol cancels drift (clocks,
 other tenants; docs/perf.md saw short runs vary +-30 % between calls) by alternating a row's plain runs with its own
@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import DEFAULT_NGRAM_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, EngineConfig, SpeculativeConfig
+from blockspec.config import DEFAULT_NGRAM_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, SpeculativeConfig
 from blockspec.data.builder import encode_prompts
 from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.errors import BlockspecError
-from blockspec.evaluation.eval_draft import evaluate_draft
+from blockspec.evaluation.eval_draft import eval_engine, evaluate_draft
 from blockspec.evaluation.throughput import bench
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.sampling import SamplingParams
@@ -159,18 +159,11 @@ def estimate(rows: list[dict[str, Any]], target: str, method: str, batch: int, p
     return SAFETY * prompts * max(r["wall_s"] / r["prompts"] for r in same) if same else None
 
 
-def plain_engine(prompts: list[list[int]], max_tokens: int, batch: int) -> dict[str, int]:
-    """evaluate_draft's engine sizing with K = 0 (room for every running request; nothing preempted)."""
-    per_request = max(map(len, prompts)) + max_tokens + 1 + EngineConfig.block_size
-    return dict(max_num_seqs=batch, kv_cache_tokens=min(batch, len(prompts)) * per_request,
-                max_num_batched_tokens=max(1024, 2 * batch))
-
-
 def measure(lm: LoadedModel, proposer: Proposer | None, prompts: list[list[int]], params: SamplingParams,
             dataset: str, batch: int, repeats: int) -> dict[str, Any]:
     """One row's figures: evaluate_draft with `proposer`, or (None) bench's plain runs alone."""
     if proposer is None:
-        r = bench(lm, None, prompts, params, repeats=repeats, **plain_engine(prompts, params.max_tokens, batch))
+        r = bench(lm, None, prompts, params, repeats=repeats, **eval_engine(prompts, params.max_tokens, 0, batch))
         plain = r["plain"]
         tps = plain["tokens_per_second"]
         return dict(tau=1.0, tokens_per_second=tps, baseline_tokens_per_second=tps, speedup=1.0,

@@ -106,11 +106,15 @@ class PagedTargetAttention(AttentionBase):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         ck, cv = self.context(layer, k, v)
         out = torch.empty_like(q)
-        qs = self.qs
-        for i, context in enumerate(self.contexts):
-            out[qs[i]:qs[i + 1]] = attend(q[qs[i]:qs[i + 1]], gather(ck, context), gather(cv, context), self.masks[i],
-                                           scale)
+        for i in range(len(self.contexts)):
+            a, b = self.qs[i], self.qs[i + 1]
+            out[a:b] = self.attend_sequence(i, q[a:b], ck, cv, scale)
         return out
+
+    def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float
+                        ) -> torch.Tensor:
+        """Sequence i's rows q [n, Hq, D] over its context in the layer caches ck / cv -> [n, Hq, D]."""
+        return attend(q, gather(ck, self.contexts[i]), gather(cv, self.contexts[i]), self.masks[i], scale)
 
 
 class RowwiseTargetAttention(PagedTargetAttention):
@@ -125,24 +129,19 @@ class RowwiseTargetAttention(PagedTargetAttention):
         super().__init__(pool, batch)
         self.positions = batch.positions.tolist()
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        ck, cv = self.context(layer, k, v)
+    def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float
+                        ) -> torch.Tensor:
+        if q.shape[0] > ROWWISE_MAX_ROWS:
+            return super().attend_sequence(i, q, ck, cv, scale)
+        # head-major views made once per sequence, sliced per row: [1, H, rows or keys, D], as attend lays out
+        keys = gather(ck, self.contexts[i]).transpose(0, 1)[None]
+        values = gather(cv, self.contexts[i]).transpose(0, 1)[None]
+        rows, first = q.transpose(0, 1)[None], self.qs[i]
         out = torch.empty_like(q)
-        qs, gqa = self.qs, q.shape[1] != k.shape[1]
-        for i, context in enumerate(self.contexts):
-            a, b = qs[i], qs[i + 1]
-            if b - a > ROWWISE_MAX_ROWS:
-                out[a:b] = attend(q[a:b], gather(ck, context), gather(cv, context), self.masks[i], scale)
-                continue
-            # head-major views made once per sequence, sliced per row: [1, H, rows or keys, D], as attend lays out
-            keys = gather(ck, context).transpose(0, 1)[None]
-            values = gather(cv, context).transpose(0, 1)[None]
-            rows = q[a:b].transpose(0, 1)[None]
-            for r in range(b - a):
-                n = self.positions[a + r] + 1
-                o = F.scaled_dot_product_attention(rows[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n], scale=scale,
-                                                   enable_gqa=gqa)
-                out[a + r] = o[0, :, 0]
+        for r in range(q.shape[0]):
+            n = self.positions[first + r] + 1
+            out[r] = F.scaled_dot_product_attention(rows[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n],
+                                                    scale=scale, enable_gqa=q.shape[1] != ck.shape[1])[0, :, 0]
         return out
 
 

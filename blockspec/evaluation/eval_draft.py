@@ -69,6 +69,14 @@ def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
     return stats
 
 
+def eval_engine(prompts: list[list[int]], max_tokens: int, k: int, max_num_seqs: int) -> dict[str, int]:
+    """Engine settings of an evaluation run with K drafts (0: plain only): room for every running request's prompt,
+    response and verify window, so nothing is preempted mid-measurement."""
+    per_request = max(map(len, prompts)) + max_tokens + k + 1 + EngineConfig.block_size  # + page rounding
+    return dict(max_num_seqs=max_num_seqs, kv_cache_tokens=min(max_num_seqs, len(prompts)) * per_request,
+                max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)))
+
+
 def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list[list[int]], params: SamplingParams,
                    dataset: str, max_num_seqs: int = 1, use_tqdm: bool = True, repeats: int = 2,
                    first: str = "plain") -> DraftEvalReport:
@@ -77,11 +85,7 @@ def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list
     sampling, prompt i uses seed params.seed + i in every run."""
     draft = as_proposer(draft)
     k = draft.num_draft_tokens
-    # room for every running request's prompt, response and verify window: nothing is preempted mid-measurement
-    per_request = max(map(len, prompts)) + params.max_tokens + k + 1 + EngineConfig.block_size  # + page rounding
-    kv = min(max_num_seqs, len(prompts)) * per_request
-    engine = dict(max_num_seqs=max_num_seqs, kv_cache_tokens=kv,
-                  max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)))
+    engine = eval_engine(prompts, params.max_tokens, k, max_num_seqs)
     per_prompt = params if params.greedy else [replace(params, seed=(params.seed or 0) + i)
                                                for i in range(len(prompts))]
     order = run_order(first, repeats)
