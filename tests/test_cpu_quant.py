@@ -231,6 +231,10 @@ def test_bad_values_fail_with_one_line_naming_the_flag(tmp_path, monkeypatch, ca
                                        "off\n")
     assert main(["chat", str(src), "--device", "cpu", "--cpu-quant", "Q4"]) == 2
     assert capsys.readouterr().err == "blockspec: error: cpu_quant='Q4' (--cpu-quant) is not one of auto, q8, q4, off\n"
+    for command in (["generate", "--prompt-ids", "1,2"], ["bench"],
+                    ["eval-draft", "--dataset", "mbpp", "--speculative-method", "ngram"]):
+        assert main([*command, "--model", str(src), "--device", "cpu", "--cpu-quant", "4bit"]) == 2, command
+        assert capsys.readouterr().err.endswith("cpu_quant='4bit' (--cpu-quant) is not one of auto, q8, q4, off\n")
     monkeypatch.setattr(cpu_quant, "supported", lambda mode, device: False)
     with pytest.raises(BlockspecError, match=r"^cpu_quant='q8' \(--cpu-quant\) runs torch's CPU quantized matmuls, "
                                              r"but this CPU or torch build has no vectorized kernel for it; use "

@@ -23,7 +23,7 @@ RANDOM, RANDOM_LEN = "random", 64
 _REPORTED = {"model": "model", "draft": "draft_model", "speculative_method": "method", "ngram_max": "ngram_max",
              "prompts": "prompts", "num_prompts": "num_prompts", "prompt_len": "prompt_len",
              "max_tokens": "max_tokens", "max_batch_size": "max_num_seqs", "num_draft_tokens": "num_draft_tokens",
-             "full_block_drafting": "full_block_drafting", "cpu_packed": "cpu_packed",
+             "full_block_drafting": "full_block_drafting", "cpu_packed": "cpu_packed", "cpu_quant": "cpu_quant",
              "cpu_bf16_draft": "cpu_bf16_draft", "draft_vocab_size": "draft_vocab_size",
              "batch_invariant": "batch_invariant", "repeats": "repeats", "first": "first"}
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         from blockspec.loading.loader import load_model
 
         lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=chosen != RANDOM,
-                        cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant)
+                        cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant, cpu_quant=args.cpu_quant)
         draft = None
         if spec is not None:
             from blockspec.speculative.registry import load_proposer

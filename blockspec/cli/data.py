@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "metavar": "SRC", "help": "generate with speculative decoding using this DFlash drafter of the target (greedy "
                                   "only; same data, less time)"})
     add_device_args(p)
-    add_speed_args(p, cpu_packed=False)
+    add_speed_args(p, cpu_packed=False, cpu_quant=False)  # the data is the target's own answers
     p.add_argument("--dist-timeout", type=float, default=SETUP_TIMEOUT_S, metavar="SECONDS",
                    help=f"under torchrun (each rank generates a share of the prompts, rank 0 merges them; "
                         f"docs/training.md): how long the ranks wait for each other at set-up (default "

@@ -46,7 +46,9 @@ def _rounding_hint(r: dict) -> str:
 
 
 def _draft_options(r: dict) -> str:
+    quant = r.get("cpu_quant", "off")
     opts = (["packed CPU target"] if r.get("cpu_packed") else []) + (
+        [f"{quant} CPU target"] if quant != "off" else []) + (
         ["batch-invariant target"] if r.get("batch_invariant") else []) + (
         ["bf16 CPU drafter"] if r.get("cpu_bf16_draft") else []) + (
         [f"draft vocab {r['draft_vocab_size']}"] if r.get("draft_vocab_size") is not None else [])
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     texts = load_eval_prompts(args.dataset, args.limit)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant, cpu_quant=args.cpu_quant)
     proposer = load_proposer(spec, lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
               "max_tokens": args.max_tokens,
               "temperature": args.temperature, "chat_template": not args.no_chat,
               "full_block_drafting": args.full_block_drafting, "cpu_bf16_draft": args.cpu_bf16_draft,
-              "cpu_packed": args.cpu_packed, "batch_invariant": args.batch_invariant,
+              "cpu_packed": args.cpu_packed, "cpu_quant": lm.cpu_quant, "batch_invariant": args.batch_invariant,
               "draft_vocab_size": args.draft_vocab_size,
               "max_batch_size": batch, "device": "cuda" if on_gpu else "cpu", "png": str(png),
               "report": str(out_dir / f"{args.dataset}-report.json")}

@@ -64,9 +64,9 @@ def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> 
                           max_tokens=args.max_tokens if max_tokens is None else max_tokens)
 
 
-def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True, cpu_quant: bool = False) -> None:
+def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True, cpu_quant: bool = True) -> None:
     """The target's speed options: --cpu-packed (unless `cpu_packed` is False), --batch-invariant (outputs
-    unchanged) and, where the command passes it on (`cpu_quant`), --cpu-quant (the quantized model's outputs). The
+    unchanged) and --cpu-quant (unless `cpu_quant` is False; the quantized model's outputs). The
     drafter's (--cpu-bf16-draft, --draft-vocab-size) are speculative flags."""
     if cpu_packed:
         p.add_argument("--cpu-packed", action="store_true",
@@ -151,7 +151,7 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     """The model (also as the first argument), drafter and engine flags of serve and chat: what build_llm reads."""
     add_model_arg(p, positional=True)
     add_speculative_args(p)
-    add_speed_args(p, cpu_quant=True)
+    add_speed_args(p)
     add_device_args(p)
     add_engine_args(p, skip=["tensor_parallel_size"])  # the server runs on one device
 
@@ -162,5 +162,5 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
     return LLM(model_source(args), speculative_config(args), device=args.device, dtype=args.dtype,
                cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant,
-               cpu_quant=getattr(args, "cpu_quant", "off"),  # off where the command does not offer --cpu-quant
+               cpu_quant=args.cpu_quant,
                **engine_config(args))

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1:
         return _run_tensor_parallel(args, params)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant, cpu_quant=args.cpu_quant)
     draft = load_proposer(spec, lm) if spec is not None else None
     if args.prompts_file is not None:
         return _run_prompts_file(args, lm, draft, params)
