@@ -62,7 +62,10 @@ def _online_softmax_step(q, k, v, q_pos, k_pos, valid, m_i, l_i, acc, scale,
     return m_new, l_i, acc
 
 
-@triton.jit
+# Integers that follow the batch (token count, block-table width, split count) are not specialized: Triton compiles a
+# variant per value class (== 1, divisible by 16, other) of each, and new classes met as contexts grow or batches
+# change put a compile (~1 s) inside a step, long after any warm-up.
+@triton.jit(do_not_specialize=["bt_stride", "num_splits", "T"])
 def _paged_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, o_ptr, m_ptr, l_ptr, pos_ptr, qstart_ptr, kvlen_ptr, bt_ptr,
     scale, bt_stride, num_splits, T,
@@ -207,7 +210,7 @@ def paged_attention(
 
 # The merges take the number of splits at run time (not as a constexpr): it follows the longest context of the batch,
 # and a kernel compiled per value put a Triton compile (~1 s) inside a step each time contexts grew past a new count.
-@triton.jit(do_not_specialize=["SPLITS"])
+@triton.jit(do_not_specialize=["R", "SPLITS"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (token, head) row: merge the split-K partials (weights exp(m_s - max m); empty splits have m = -inf and
     contribute nothing; a row with no visible key gives 0) and normalize, in one kernel instead of ~8 torch ops."""
@@ -225,7 +228,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_S: tl.conste
     tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
+@triton.jit(do_not_specialize=["R", "SPLITS"])
 def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_D: tl.constexpr):
     """The merge of the batch-invariant mode: splits folded one at a time in position order (an online softmax over
     the partials), so the empty splits past a row's position, however many the batch has, change nothing (their

@@ -58,11 +58,13 @@ def _draft_options(r: dict) -> str:
 def _timing(r: dict) -> str:
     """How the speedup was timed: the runs' order, and over several runs each the range and the spreads."""
     order = " ".join("no-spec" if m == "plain" else m for m in r["timing_order"])
+    missed = sum(len(c) for c in (r["runs_kernel_compiles"] or []) + (r["baseline_runs_kernel_compiles"] or []))
+    warn = f"; {missed} Triton compiles inside the timed runs: speeds understated" if missed else ""
     if len(r["timing_order"]) <= 2:
-        return f" (one run each, warmed up: {order})"
+        return f" (one run each, warmed up: {order}{warn})"
     lo, hi = r["speedup_range"]
     return (f" (medians of {len(r['runs_time_s'])} runs each, warmed up: {order}; range {lo:.2f}-{hi:.2f}x, "
-            f"spread spec {r['time_spread']:.0%} / no-spec {r['baseline_time_spread']:.0%})")
+            f"spread spec {r['time_spread']:.0%} / no-spec {r['baseline_time_spread']:.0%}{warn})")
 
 
 def _table(r: dict) -> str:

@@ -48,6 +48,9 @@ class DraftEvalReport:
     time_spread: float | None = None
     baseline_time_spread: float | None = None
     speedup_range: list[float] | None = None
+    # Triton kernels compiled inside each timed run (a warm-up miss: ~1 s of compiling counted as decoding)
+    runs_kernel_compiles: list[list[str]] | None = None
+    baseline_runs_kernel_compiles: list[list[str]] | None = None
 
 
 def divergences(spec: list[list[int]], plain: list[list[int]]) -> list[dict[str, int]]:
@@ -110,5 +113,6 @@ def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list
         per_prompt_acceptance=[round(sum(a) / len(a), 4) if (a := o.acceptance_lengths) else None for o in spec],
         timing_order=order, runs_time_s=spec_runs.times_s, baseline_runs_time_s=plain_runs.times_s,
         time_spread=spec_runs.spread, baseline_time_spread=plain_runs.spread,
-        speedup_range=speedup_range(spec_runs, plain_runs),
+        speedup_range=speedup_range(spec_runs, plain_runs), runs_kernel_compiles=spec_runs.compiles,
+        baseline_runs_kernel_compiles=plain_runs.compiles,
     )

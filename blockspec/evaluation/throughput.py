@@ -23,6 +23,7 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import buckets
 from blockspec.engine.outputs import RequestOutput
+from blockspec.evaluation.compile_watch import kernel_compiles
 from blockspec.errors import BlockspecError
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
@@ -81,23 +82,27 @@ def warm_up(llm: LLM, prompts: list[list[int]], params: Params, speculate: bool 
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: Params, use_tqdm: bool,
-                   speculate: bool = True) -> tuple[list[RequestOutput], float]:
-    """warm_up, then generate; returns the outputs and the wall time of the generate alone."""
+                   speculate: bool = True) -> tuple[list[RequestOutput], float, list[str]]:
+    """warm_up, then generate; returns the outputs, the wall time of the generate alone and the Triton kernels that
+    compiled inside it (none, when the warm-up did its job)."""
     warm_up(llm, prompts, params, speculate)
     gc.collect()  # the warm-up's garbage is not collected inside the timing
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm, speculate=speculate)
-    return outs, time.perf_counter() - t0
+    with kernel_compiles() as compiled:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=use_tqdm, speculate=speculate)
+        dt = time.perf_counter() - t0
+    return outs, dt, compiled
 
 
 @dataclass
 class ModeRuns:
     """The timed runs of one mode: the outputs of its first run (every run decodes the same requests the same way)
-    and each run's generated tokens and wall time, in run order."""
+    and each run's generated tokens, wall time and Triton kernels compiled inside it, in run order."""
 
     outputs: list[RequestOutput]
     tokens: list[int] = field(default_factory=list)
     times_s: list[float] = field(default_factory=list)
+    compiles: list[list[str]] = field(default_factory=list)
 
     @property
     def time_s(self) -> float:
@@ -129,12 +134,13 @@ def interleaved(engine: Callable[[str], LLM], prompts: list[list[int]], params: 
     runs: dict[str, ModeRuns] = {}
     for mode in order:
         llm = engine(mode)
-        outs, dt = timed_generate(llm, prompts, params, use_tqdm, speculate=mode == "spec")
+        outs, dt, compiled = timed_generate(llm, prompts, params, use_tqdm, speculate=mode == "spec")
         del llm
         release()
         r = runs.setdefault(mode, ModeRuns(outs))
         r.tokens.append(sum(len(o.token_ids) for o in outs))
         r.times_s.append(dt)
+        r.compiles.append(compiled)
     return runs
 
 
@@ -154,12 +160,13 @@ class BenchResult:
     mean_acceptance_length: float | None
     runs_time_s: list[float]  # every run, in run order
     time_spread: float  # (slowest - fastest) / median run time
+    runs_kernel_compiles: list[list[str]]  # Triton kernels compiled inside each run (warm-up misses), in run order
 
 
 def result(mode: str, r: ModeRuns) -> BenchResult:
     lens = [a for o in r.outputs for a in o.acceptance_lengths]
     return BenchResult(mode, len(r.outputs), r.tokens[0], r.time_s, r.tokens_per_second,
-                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread)
+                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread, r.compiles)
 
 
 def report(runs: dict[str, ModeRuns], order: list[str]) -> dict:
