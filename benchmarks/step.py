@@ -87,12 +87,15 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tup
     return graph, eager, parts  # the engine and its pool are freed on return
 
 
-def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new: int, tau: float | None) -> dict:
-    """tokens/s of LLMEngine.generate: B requests, ctx-token random prompts, `new` tokens each (prefill included)."""
+def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new: int, tau: float | None,
+               overlap: bool = True) -> dict:
+    """tokens/s of LLMEngine.generate: B requests, ctx-token random prompts, `new` tokens each (prefill included);
+    and the GPU's idle time between consecutive decode-step replays (the host gap), median over the run."""
     from blockspec.llm import LLM
 
     forced = ForcedAcceptance(tau) if tau is not None else None
-    llm = LLM.from_loaded(lm, draft, acceptance=forced, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64))
+    llm = LLM.from_loaded(lm, draft, acceptance=forced, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64),
+                          overlap=overlap)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B + 1)]
     warm, prompts = prompts[:1], prompts[1:]
@@ -101,15 +104,19 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     # timed prompt would make its prefill a prefix-cache hit of another shape (a Triton compile inside the timing)
     llm.generate(warm, SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)
     host = instrument(llm.engine)
+    dec = llm.engine.runner.decode
+    dec.record_gaps, dec.marks = True, []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    gaps = dec.host_gaps_ms()
     n = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.acceptance_lengths]
-    return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "tokens": n, "time_s": dt,
-            "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None,
+    return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "overlap": overlap, "tokens": n,
+            "time_s": dt, "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None,
+            "decode_replays": len(dec.marks), "host_gap_ms_median": statistics.median(gaps) if gaps else None,
             "host_breakdown_s": {k: round(v, 4) for k, v in host.items()}}
 
 
@@ -134,6 +141,9 @@ def instrument(engine: LLMEngine) -> dict[str, float]:
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.runner, "varlen_step", "varlen_step")
     wrap(engine.runner.decode, "run", "decode_step")
+    wrap(engine.runner.decode, "launch", "decode_launch")  # overlap: launched, chained and collected apart
+    wrap(engine.runner.decode, "launch_next", "decode_launch_next")
+    wrap(engine.runner.decode, "collect", "decode_collect")
     wrap(engine.runner.decode, "fill", "decode_fill")
     wrap(engine.runner, "propose", "propose")
     wrap(engine, "commit", "commit")
@@ -252,10 +262,16 @@ def main() -> None:
                                   lm, draft, bw), f, indent=1)
         return
     free_memory()
-    e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 16)]
-    e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 16)]
+    e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 32)]
+    e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 32)]
+    e2e.append(end_to_end(lm, draft, 1, 1024, 512, args.forced_tau, overlap=False))
     for r in e2e:
         print(json.dumps(r), flush=True)
+    (spec1, spec32, plain1, plain32, sync1) = e2e
+    e2e_keys = {"e2e_spec_tps_bs1": spec1["tokens_per_second"], "e2e_plain_tps_bs1": plain1["tokens_per_second"],
+                "e2e_speedup_c32": spec32["tokens_per_second"] / plain32["tokens_per_second"],
+                "overlap_host_gap_ms_bs1": spec1["host_gap_ms_median"],
+                "no_overlap_host_gap_ms_bs1": sync1["host_gap_ms_median"]}
     from benchmarks.hf_ref import hf_ar_step_ms, hf_twin
 
     free_memory()
@@ -266,7 +282,7 @@ def main() -> None:
     print(json.dumps(greedy), flush=True)
     bs1 = next(r for r in rows if r["batch"] == 1 and r["context"] == 1024)
     report = apply_floor({
-        **base, "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"],
+        **base, **e2e_keys, "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"],
         "hf_ar_step_ms_bs1": hf_ms, "ar_speedup_vs_hf_bs1": hf_ms / bs1["ar_step_ms"], "breakdown_bs1_ctx1k": parts,
         "end_to_end": e2e, "greedy_vs_hf_bf16": greedy, "table": rows}, lm, draft, bw)
     print(json.dumps({k: v for k, v in report.items() if k not in ("table", "end_to_end", "greedy_vs_hf_bf16")}, indent=1))

@@ -147,8 +147,8 @@ def run_scenario(name: str, lm: LoadedModel, proposer: Proposer) -> tuple[list[l
     return prompts, outs
 
 
-CONFIGS = {"default": {}, "split_mixed_steps": dict(split_mixed_steps=True), "enforce_eager": dict(enforce_eager=True),
-           "varlen_only": {}}
+CONFIGS = {"default": {}, "no_overlap": dict(overlap=False), "split_mixed_steps": dict(split_mixed_steps=True),
+           "enforce_eager": dict(enforce_eager=True), "varlen_only": {}}
 
 
 def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, params) -> dict[str, list]:
@@ -163,9 +163,19 @@ def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, p
             runner.decode.eligible = lambda scheduled: None
         steps: list[list[tuple[str, int, int]]] = []  # per engine step: (path, requests, K) of each call
         real_run, real_varlen, real_step = runner.decode.run, runner.varlen_step, runner.step
+        real_launch, real_next = runner.launch_decode, runner.launch_next
         runner.decode.run = lambda seqs, k: steps[-1].append(("decode", len(seqs), k)) or real_run(seqs, k)
         runner.varlen_step = lambda sch: steps[-1].append(("varlen", len(sch), 0)) or real_varlen(sch)
         runner.step = lambda sch: steps.append([]) or real_step(sch)
+
+        def launch(sch):  # overlap: a decode step enqueued from the scheduled requests
+            out = real_launch(sch)
+            if out is not None:
+                steps.append([("decode", len(out.seqs), out.K)])
+            return out
+
+        runner.launch_decode = launch
+        runner.launch_next = lambda prev: steps.append([("decode", len(prev.seqs), prev.K)]) or real_next(prev)
         outs = Run(llm).run(prompts, params, stagger=2)
         assert_equal_plain(lm, prompts, params, outs)
         spec_consistency(outs)
@@ -177,6 +187,7 @@ def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, p
             assert any(b > 1 and k > 0 for _, b, k in decoded), calls
         mixed = [s for s in steps if len(s) == 2]
         assert bool(mixed) == (name == "split_mixed_steps"), mixed
+        assert (llm.engine.num_overlapped_steps > 0) == (name not in ("no_overlap", "varlen_only")), name
         assert any(c[0] == "varlen" for c in calls)
         results[name] = [(o.token_ids, o.acceptance_lengths, o.steps) for o in outs]
     return results

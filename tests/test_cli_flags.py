@@ -35,7 +35,8 @@ ENGINE = {"max_num_seqs": (["--max-num-seqs", "3"], 3),
           "enable_prefix_caching": (["--no-prefix-caching"], False),
           "draft_len_schedule": (["--draft-len-schedule", "1:7,16:3"], {1: 7, 16: 3}),
           "attention_backend": (["--attention-backend", "torch"], "torch"),
-          "enforce_eager": (["--enforce-eager"], True)}
+          "enforce_eager": (["--enforce-eager"], True),
+          "overlap": (["--no-overlap"], False)}
 
 
 def parse(add_args, *argv: str) -> argparse.Namespace:
@@ -89,9 +90,10 @@ def test_the_groups_cover_the_flags_and_leave_the_defaults():
     serve_args = parse(serve.add_args)
     assert speculative_config(serve_args) is None and engine_config(serve_args) == {}
     # the flags generate and bench share with the engine, under generate's names
-    args = parse(generate.add_args, "--prompt", "x", "--max-batch-size", "5", "--enforce-eager",
+    args = parse(generate.add_args, "--prompt", "x", "--max-batch-size", "5", "--enforce-eager", "--no-overlap",
                  "--tensor-parallel-size", "2")
-    assert engine_config(args) == {"max_num_seqs": 5, "enforce_eager": True, "tensor_parallel_size": 2}
+    assert engine_config(args) == {"max_num_seqs": 5, "enforce_eager": True, "overlap": False,
+                                   "tensor_parallel_size": 2}
     # the tables above name every flag of the two groups (a flag left out of them would go untested)
     assert {f.name for f in flag_fields(SpeculativeConfig)} == set(SPECULATIVE) | {"draft_model", "method",
                                                                                    "ngram_max"}

@@ -52,8 +52,10 @@ def test_decode_step_taken_and_equal_to_varlen_step(pair):
     prompts, params = workload(12, seed=1, max_tokens=(30, 90))
     llm = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
     calls = []
-    real_run = llm.engine.runner.decode.run
-    llm.engine.runner.decode.run = lambda seqs, K: calls.append((len(seqs), K)) or real_run(seqs, K)
+    step = llm.engine.runner.decode  # steps are launched from the host's inputs, or chained from the last step
+    launch, launch_next = step.launch, step.launch_next
+    step.launch = lambda seqs, K: calls.append((len(seqs), K)) or launch(seqs, K)
+    step.launch_next = lambda prev: calls.append((len(prev.seqs), prev.K)) or launch_next(prev)
     fused = run(llm, prompts, params)
     assert len(calls) >= 8 and any(b > 1 for b, _ in calls) and any(b not in buckets(7) for b, _ in calls), calls
     varlen = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
@@ -94,7 +96,8 @@ def test_mixed_steps_split_and_keep_outputs(pair):
 
 def test_padding_rows_never_write_the_pool(pair):
     lm, draft = pair
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4, enable_prefix_caching=False)
+    # one step at a time (with overlap, eng.step() would also enqueue the next step, which writes its own window)
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4, enable_prefix_caching=False, overlap=False)
     eng = llm.engine
     for i in range(3):  # 3 requests run in the bucket of 4: one padding row, whose block table is all block 0
         eng.add_request(cycle_seq(CYCLE_A, i, 9), SamplingParams(max_tokens=30, ignore_eos=True))

@@ -105,6 +105,21 @@ def test_cuda_graph_step_equals_eager(dtype):
     assert graph == eager
 
 
+def test_cuda_overlap_equals_synchronous():
+    """Overlap scheduling on the GPU: steps chained from the graph's device-side result (and read back through
+    pinned memory) give the synchronous engine's outputs (fp32: a step chained for requests that have finished runs
+    a larger batch than the synchronous engine would, which moves bf16 roundings)."""
+    from trained_pair import trained_pair
+
+    lm, draft = _on_cuda(trained_pair(), torch.float32)
+    prompts, params = _workload()
+    on = LLM.from_loaded(lm, draft, max_num_seqs=8, block_size=8)
+    got = [(o.token_ids, o.acceptance_lengths) for o in on.generate(prompts, params, use_tqdm=False)]
+    assert on.engine.num_overlapped_steps > 10
+    off, _ = _run(lm, draft, overlap=False)
+    assert got == off
+
+
 def test_cuda_fp32_engine_equals_cpu_engine():
     from trained_pair import trained_pair
 

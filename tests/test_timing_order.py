@@ -31,7 +31,7 @@ class OneTimeCosts:
         self.timed: list[tuple[float, float]] = []
         self.lengths: set[int] = set()  # the prefill lengths compiled for
         lengths = self.lengths
-        varlen, run, generate = ModelRunner.varlen_step, DecodeStep.run, LLM.generate
+        varlen, forward, generate = ModelRunner.varlen_step, DecodeStep.forward, LLM.generate
 
         def sleep(kind: str) -> None:
             t = time.perf_counter()
@@ -45,13 +45,13 @@ class OneTimeCosts:
                 sleep("compile")
             return varlen(runner, scheduled)
 
-        def decode_run(step, seqs, K):
-            graphs = step.__dict__.setdefault("test_graphs", set())  # this engine's "captured" (bucket, K)
-            key = (next(b for b in step.buckets if b >= len(seqs)), K)
+        def decode_forward(step, buf, rows):  # every decode step, launched from the host or chained (overlap)
+            graphs = step.__dict__.setdefault("test_graphs", set())  # this engine's "captured" (bucket, K + 1)
+            key = tuple(buf.input_ids.shape)
             if key not in graphs:
                 graphs.add(key)
                 sleep("capture")
-            return run(step, seqs, K)
+            return forward(step, buf, rows)
 
         def timed_generate(llm, prompts, *a, **k):
             t = time.perf_counter()
@@ -62,7 +62,7 @@ class OneTimeCosts:
                     self.timed.append((t, time.perf_counter()))
 
         monkeypatch.setattr(ModelRunner, "varlen_step", varlen_step)
-        monkeypatch.setattr(DecodeStep, "run", decode_run)
+        monkeypatch.setattr(DecodeStep, "forward", decode_forward)
         monkeypatch.setattr(LLM, "generate", timed_generate)
 
     def inside_timing(self) -> list[tuple[str, float, float]]:

@@ -53,7 +53,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_timing_args(p)
     add_device_args(p)
     p.add_argument("--json", action="store_true")
-    add_engine_args(p, ["enforce_eager", "tensor_parallel_size"])
+    add_engine_args(p, ["enforce_eager", "overlap", "tensor_parallel_size"])
 
 
 def prompt_set(args: argparse.Namespace) -> str:

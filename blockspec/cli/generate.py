@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_speculative_args(p)
     add_speed_args(p)
     p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
-    add_engine_args(p, ["enforce_eager", "tensor_parallel_size"])
+    add_engine_args(p, ["enforce_eager", "overlap", "tensor_parallel_size"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,11 @@ sync inside; the result is one packed int64 tensor [B, 2K+2] = (emitted tokens [
 
 Inputs live in static per-bucket buffers (batch padded up to a bucket size), so on CUDA the whole step is captured
 once per (bucket, K, sampling mode) as a CUDA graph and replayed; `enforce_eager` (and CPU) runs the same function
-uncaptured, so graph and eager results are equal. Padding rows write nothing: their slots are -1."""
+uncaptured, so graph and eager results are equal. Padding rows write nothing: their slots are -1.
+
+A step is launched (enqueued, its result copied to pinned host memory behind it) and collected (wait, parse) apart:
+launch_next enqueues the following step of the same requests from the device-side result of the one before (bonus,
+drafts, positions), so the engine can overlap its host work with the GPU (engine/llm_engine.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +57,19 @@ class DecodeBuffers:
                    torch.ones(B, dtype=torch.float32, device=device), z(B), offsets * (K + 1), offsets * draft_rows)
 
 
+@dataclass
+class Launched:
+    """A decode step enqueued on the device; its packed result [n, 2K+2] is on its way to `host`."""
+
+    seqs: list[Sequence]
+    K: int
+    buf: DecodeBuffers
+    rows: SamplingRows  # the sampling rows the step read (views of buf)
+    packed: torch.Tensor  # [B, 2K+2] on the device; the graph's static output, overwritten by the next replay
+    host: torch.Tensor  # [n, 2K+2] pinned copy of packed[:n]
+    done: torch.cuda.Event | None  # recorded after the copy (None on CPU, where launching ran the step)
+
+
 class DecodeStep:
     def __init__(self, models: StepModels, acceptance: AcceptancePolicy, max_num_seqs: int, max_model_len: int,
                  vocab_size: int, capture: bool) -> None:
@@ -65,6 +82,9 @@ class DecodeStep:
         self.buffers: dict[tuple[int, int], DecodeBuffers] = {}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        # gap timing (benchmarks): per replay, CUDA events at its start and end; host_gaps_ms() reads them
+        self.record_gaps = False
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def draft_rows(self, K: int) -> int:
         """Rows of the draft block this step proposes with K drafts (K + 1 without a proposer or drafts)."""
@@ -98,25 +118,66 @@ class DecodeStep:
         return group, [s for s in scheduled if id(s) not in taken]
 
     def run(self, seqs: list[Sequence], K: int) -> list[StepResult]:
+        return self.collect(self.launch(seqs, K))
+
+    def launch(self, seqs: list[Sequence], K: int) -> Launched:
         B = next(b for b in self.buckets if b >= len(seqs))
         buf = self.buffers.get((B, K))
         if buf is None:
             buf = self.buffers[(B, K)] = DecodeBuffers.allocate(B, K, self.draft_rows(K), self.width, self.device)
         rows = self.fill(buf, seqs, K)
+        return self._launch(seqs, K, buf, rows)
+
+    def launch_next(self, prev: Launched) -> Launched:
+        """The next step of prev's requests, its inputs derived on the device from prev's result: the bonus (last
+        emitted token) and drafts it produced, positions advanced by num_accepted + 1; block tables re-read from
+        the host (the engine grew them for this step before calling). No wait on prev."""
+        buf, K = prev.buf, prev.K
+        n = prev.packed[:, K + 1]
+        bonus = prev.packed[:, : K + 1].gather(1, n[:, None])
+        buf.input_ids.copy_(torch.cat([bonus, prev.packed[:, K + 2:]], dim=1))
+        buf.start.add_(torch.where(buf.valid, n + 1, 0))  # padding rows stay at position 0
+        buf.block_tables.copy_(self._tables(prev.seqs, buf.input_ids.shape[0]), non_blocking=True)
+        return self._launch(prev.seqs, K, buf, prev.rows)
+
+    def _launch(self, seqs: list[Sequence], K: int, buf: DecodeBuffers, rows: SamplingRows) -> Launched:
         packed = self.replay(buf, rows, K) if self.capture else self.forward(buf, rows)
-        host = packed[: len(seqs)].tolist()  # the step's one device-to-host copy
-        out = []
-        for seq, r in zip(seqs, host):
+        if packed.device.type != "cuda":
+            return Launched(seqs, K, buf, rows, packed, packed[: len(seqs)], None)
+        host = torch.empty(packed[: len(seqs)].shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed[: len(seqs)], non_blocking=True)  # the step's one device-to-host copy
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(seqs, K, buf, rows, packed, host, done)
+
+    def collect(self, launched: Launched) -> list[StepResult]:
+        """Wait for a launched step and read its result per request."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        K, out = launched.K, []
+        for seq, r in zip(launched.seqs, launched.host.tolist()):
             n = r[K + 1]
             out.append(StepResult(seq, r[: n + 1], n, n + 1, r[K + 2:] if K > 0 else None))
         return out
+
+    def host_gaps_ms(self) -> list[float]:
+        """Idle time of the GPU between consecutive recorded replays (waits for the last one)."""
+        if not self.marks:
+            return []
+        self.marks[-1][1].synchronize()
+        return [end.elapsed_time(start) for (_, end), (start, _) in zip(self.marks, self.marks[1:])]
+
+    def _tables(self, seqs: list[Sequence], B: int) -> torch.Tensor:
+        """[B, width] block tables on the host, padding rows all block 0."""
+        tables = torch.zeros(B, self.width, dtype=torch.long)
+        tables[: len(seqs)] = block_tables(seqs, self.width, torch.device("cpu"))
+        return tables
 
     def fill(self, buf: DecodeBuffers, seqs: list[Sequence], K: int) -> SamplingRows:
         """Copy this step's inputs into the static buffers (host -> device, one copy per buffer)."""
         B, n, cpu = buf.input_ids.shape[0], len(seqs), torch.device("cpu")
         pad = B - n  # padding rows: greedy, position 0, block table all block 0, slots -1 (never written)
-        tables = torch.zeros(B, self.width, dtype=torch.long)
-        tables[:n] = block_tables(seqs, self.width, cpu)
+        tables = self._tables(seqs, B)
         rows = SamplingRows.build([s.params for s in seqs] + [SamplingParams()] * pad, [s.seed for s in seqs] + [0] * pad,
                                   cpu, self.vocab_size)
         host = {
@@ -147,7 +208,14 @@ class DecodeStep:
                 packed = self.forward(buf, rows)
             self.graphs[key] = (graph, packed)
         graph, packed = self.graphs[key]
-        graph.replay()
+        if self.record_gaps:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            self.marks.append((start, end))
+        else:
+            graph.replay()
         return packed
 
     def forward(self, buf: DecodeBuffers, rows: SamplingRows) -> torch.Tensor:

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 from blockspec.attention.backends import get_backend
 from blockspec.config import EngineConfig
+from blockspec.engine.decode_step import Launched
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.outputs import FinishReason, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
-from blockspec.engine.sequence import Sequence, check_prompt
+from blockspec.engine.sequence import Sequence, StepResult, check_prompt
 from blockspec.errors import BlockspecError
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.pool import CacheShape, KVPool
@@ -59,6 +60,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
         self.K = proposer.num_draft_tokens if proposer is not None else 0
+        self.overlap = config.overlap and config.tensor_parallel_size == 1
+        self.inflight: Launched | None = None  # a decode step enqueued and not yet collected (overlap)
+        self.num_overlapped_steps = 0  # steps enqueued before the previous one's tokens were read
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     speculate: bool = True) -> str:
@@ -120,10 +124,55 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step. finished_only: outputs only for requests that finished (offline callers; saves copying
         every running request's tokens and trace each step, which adds up at hundreds of requests)."""
+        seqs: list[Sequence] = []
+        if self.inflight is not None:
+            seqs = self._collect_inflight()
+            if self.inflight is not None:  # the next step is enqueued already: this call's work is done
+                return self.collect_outputs(seqs, finished_only)
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return self.collect_outputs([], finished_only)
-        results = self.runner.step(scheduled)
+        if scheduled:
+            if self.overlap and (launched := self.runner.launch_decode(scheduled)) is not None:
+                self.inflight = launched
+                seqs += self._collect_inflight()
+            else:
+                seqs += self._apply(self.runner.step(scheduled))
+        return self.collect_outputs(list(dict.fromkeys(seqs)), finished_only)
+
+    def _collect_inflight(self) -> list[Sequence]:
+        """Enqueue the next step behind the in-flight one where nothing can change between them, then read and
+        commit the in-flight one (dropping its rows of requests that finished or were aborted since it was
+        enqueued)."""
+        prev, self.inflight = self.inflight, None
+        if self._can_chain(prev):
+            self.inflight = self.runner.launch_next(prev)
+            self.num_overlapped_steps += 1
+        seqs = self._apply([r for r in self.runner.collect(prev) if not r.seq.finished])
+        if self.inflight is not None and all(s.finished for s in self.inflight.seqs):
+            self.runner.collect(self.inflight)  # enqueued for requests that have all finished now: nothing to keep
+            self.inflight = None
+        return seqs
+
+    def _can_chain(self, prev: Launched) -> bool:
+        """Would the synchronous engine run the same step next, with the same drafts? The same requests (none
+        finished, none waiting to be admitted, the batch within the token budget), the same K (no schedule change,
+        no clipping near max_model_len), and free blocks for the next verify window whatever prev accepts."""
+        running, K = self.scheduler.running, prev.K
+        if (self.scheduler.waiting or len(running) != len(prev.seqs) or any(s.finished for s in prev.seqs)
+                or len(running) * (K + 1) > self.config.max_num_batched_tokens
+                or self.config.draft_len(len(running), self.K) != K and any(s.speculate for s in prev.seqs)):
+            return False
+        reach = [s.num_computed + 2 * (K + 1) for s in prev.seqs]  # prev's window, then the next one at most
+        if max(reach) > self.max_model_len - 1:
+            return False
+        need = sum(self.blocks.blocks_needed(s.block_table, r) for s, r in zip(prev.seqs, reach))
+        if not self.blocks.can_allocate(need):
+            return False
+        for s, r in zip(prev.seqs, reach):
+            self.blocks.grow(s.block_table, r)
+        return True
+
+    def _apply(self, results: list[StepResult]) -> list[Sequence]:
+        """Commit a step's tokens, then give each request still decoding its next drafts."""
         for r in results:
             try:
                 self.commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
@@ -148,7 +197,7 @@ class LLMEngine:
                 seq.drafts, seq.draft_probs = [], None
         if to_draft:
             self.runner.propose(to_draft, ks)
-        return self.collect_outputs([r.seq for r in results], finished_only)
+        return [r.seq for r in results]
 
     def collect_outputs(self, seqs: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
         seqs, self._aborted = seqs + self._aborted, []

@@ -15,7 +15,7 @@ import torch
 
 from blockspec import rng
 from blockspec.attention.paged_ref import PagedBatch
-from blockspec.engine.decode_step import DecodeStep
+from blockspec.engine.decode_step import DecodeStep, Launched
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence, StepResult, block_tables
 from blockspec.host_tensors import host_tensor
@@ -53,6 +53,20 @@ class ModelRunner:
         if rest:
             by_seq.update((id(r.seq), r) for r in self.varlen_step(rest))
         return [by_seq[id(s.seq)] for s in scheduled]
+
+    @torch.inference_mode()
+    def launch_decode(self, scheduled: list[ScheduledSeq]) -> Launched | None:
+        """Enqueue the step without waiting for it, when the decode step takes every scheduled request (the
+        overlapped path); None otherwise."""
+        K = self.decode.eligible(scheduled)
+        return self.decode.launch([s.seq for s in scheduled], K) if K is not None else None
+
+    @torch.inference_mode()
+    def launch_next(self, prev: Launched) -> Launched:
+        return self.decode.launch_next(prev)
+
+    def collect(self, launched: Launched) -> list[StepResult]:
+        return self.decode.collect(launched)
 
     def varlen_step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:
         bs = self.models.pool.block_size
