@@ -15,15 +15,15 @@
 #     L 3, T 5 (layers 1,6,11,16,21), I 1792: 47,958,376 B (45.7 MiB). The paper's shape (L 5, T 5, I 4864): 157 MB.
 # Each is the widest MLP (a multiple of 128) that keeps its drafter under issue 25's ~50 MB for the repository, and
 # comes back from the device in 4 parts of <= 15 MiB plus manifest.json and run.tgz: 6 of the 8 files one call returns.
-# Per target also (estimates, docs/training.md): TRAIN_TOKENS, what TIME_LIMIT's 7 minutes train at the slower
-# estimated rate (1.5B ~12 k, 0.5B ~21 k target tokens/s); LIMIT, the prompts whose answers make about that many
-# tokens (~400 a sequence), so a fast generation stops there and a slow one at GEN_SECONDS; BATCH 256 for the 1.5B,
-# so that a chunk of 8 x BATCH prompts finishes inside GEN_SECONDS even at the slowest generation rate estimated.
+# Per target also (docs/training.md): TRAIN_TOKENS, what TIME_LIMIT's 7 minutes train at the measured rate (1.5B:
+# 27.6 k target tokens/s on the H200, 2026-12-05; 0.5B scaled by the estimates' ratio, not yet measured); LIMIT, the
+# prompts whose answers make about that many tokens (~350 a sequence), so a fast generation stops there and a slow
+# one at GEN_SECONDS (1.5B measured: 12,000 prompts in 93 s); BATCH 256 for the 1.5B.
 set -euo pipefail
 TARGET=${TARGET:?qwen2.5-coder-0.5b or qwen2.5-coder-1.5b}
 case "$TARGET" in   # layers, MLP width, taps, batch, training tokens, prompts
-  qwen2.5-coder-1.5b) shape=(2 640 1,13,25 256 5000000 12000) ;;
-  qwen2.5-coder-0.5b) shape=(3 1792 1,6,11,16,21 512 9000000 22000) ;;
+  qwen2.5-coder-1.5b) shape=(2 640 1,13,25 256 11000000 32000) ;;
+  qwen2.5-coder-0.5b) shape=(3 1792 1,6,11,16,21 512 17000000 48000) ;;
   *) echo "TARGET=$TARGET: expected qwen2.5-coder-0.5b or qwen2.5-coder-1.5b"; exit 2 ;;
 esac
 line=$(python3 "$(dirname "$0")/registry_models.py" sha "$TARGET")
