@@ -140,10 +140,10 @@ def instrument(engine: LLMEngine) -> dict[str, float]:
 
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.runner, "varlen_step", "varlen_step")
-    wrap(engine.runner.decode, "run", "decode_step")
-    wrap(engine.runner.decode, "launch", "decode_launch")  # overlap: launched, chained and collected apart
+    # a decode step is launched (incl. fill) or chained, then collected: collect includes the wait for the GPU
+    wrap(engine.runner.decode, "launch", "decode_launch")
     wrap(engine.runner.decode, "launch_next", "decode_launch_next")
-    wrap(engine.runner.decode, "collect", "decode_collect")
+    wrap(engine.runner.decode, "collect", "decode_collect_incl_gpu_wait")
     wrap(engine.runner.decode, "fill", "decode_fill")
     wrap(engine.runner, "propose", "propose")
     wrap(engine, "commit", "commit")

@@ -182,10 +182,13 @@ class EngineConfig:
     # 1.09x at draft-data's shape (docs/perf.md), which turns it on; serving leaves it off until measured at small
     # batches. On CPU every forward reads all the weights, so one combined pass stays cheaper there.
     split_mixed_steps: bool = False
-    # While the GPU runs decode step n, the host enqueues step n+1 of the same requests (its inputs derived on the
-    # device from step n's result) and only then reads step n's tokens, commits them and does its bookkeeping: the
-    # host's per-step work hides behind the GPU's. Same outputs as off (tested); a request that finishes in step n
-    # wastes its row of step n+1. Off under tensor parallelism (its ranks mirror the synchronous runner calls).
+    # On CUDA: while the GPU runs decode step n, the host enqueues step n+1 of the same requests (its inputs derived
+    # on the device from step n's result) and only then reads step n's tokens, commits them and does its bookkeeping:
+    # the host's per-step work hides behind the GPU's. Same tokens as off in fp32 and with --batch-invariant (tested);
+    # in default bf16 a step chained next to a request that has just finished runs a larger batch than the
+    # synchronous engine would, which can move a near-tie as any other batch change does. A request that finishes in
+    # step n wastes its row of step n+1. Off on the CPU (a step runs when launched: nothing to hide) and under tensor
+    # parallelism (its ranks mirror the synchronous runner calls).
     overlap: bool = field(default=True, metadata={"flag": "--no-overlap",
                                                   "help": "do not overlap the host's work with the GPU's decode steps"})
     draft_len_schedule: dict[int, int] | None = field(default=None, metadata={

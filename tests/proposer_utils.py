@@ -158,6 +158,7 @@ def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, p
     results = {}
     for name, extra in CONFIGS.items():
         llm = LLM.from_loaded(lm, make_proposer(), max_num_seqs=6, block_size=4, max_num_batched_tokens=48, **extra)
+        llm.engine.overlap = llm.engine.config.overlap  # on the CPU too, as on CUDA (the engine's CPU default: off)
         runner = llm.engine.runner
         if name == "varlen_only":
             runner.decode.eligible = lambda scheduled: None

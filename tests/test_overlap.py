@@ -37,8 +37,15 @@ def workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
+def overlapped(llm: LLM) -> LLM:
+    """The CUDA behaviour on the CPU (the engine leaves overlap off there: a CPU step runs when launched)."""
+    llm.engine.overlap = True
+    return llm
+
+
 def run(llm: LLM, prompts, params, stagger: int | None = 2):
     outs = Run(llm).run(prompts, params, stagger=stagger)
+    spec_consistency([o for o in outs if o.acceptance_lengths])  # each trace holds the drafts its step verified
     return [(o.token_ids, o.finish_reason, o.acceptance_lengths, list(map(repr, o.steps))) for o in outs]
 
 
@@ -51,12 +58,13 @@ def run(llm: LLM, prompts, params, stagger: int | None = 2):
 def test_overlap_equals_synchronous(pair, engine):
     lm, draft = pair
     prompts, params = workload(12, seed=len(engine))
-    on = LLM.from_loaded(lm, draft, **engine)
+    on = overlapped(LLM.from_loaded(lm, draft, **engine))
     off = LLM.from_loaded(lm, draft, overlap=False, **engine)
     got, want = run(on, prompts, params), run(off, prompts, params)
     if "draft_len_schedule" in engine:
         # a step enqueued just before a request finishes keeps the K of the larger batch for that one step, where
-        # the synchronous engine redrafts with the schedule's K: the same tokens, other acceptance lengths
+        # the synchronous engine redrafts with the schedule's K: the same tokens, other acceptance lengths (each
+        # trace still consistent: run() checks)
         got, want = [g[:2] for g in got], [w[:2] for w in want]
     assert got == want
     assert on.engine.num_overlapped_steps > 3 and off.engine.num_overlapped_steps == 0
@@ -69,14 +77,13 @@ def test_overlap_equals_synchronous(pair, engine):
                        [on.generate([prompts[i]], params[i], use_tqdm=False)[0] for i in greedy])
 
 
-def test_overlap_plain_decoding_and_outputs_consistent(pair):
+def test_overlap_plain_decoding(pair):
     lm, draft = pair
     prompts, params = workload(8, seed=3)
-    on, off = LLM.from_loaded(lm, None, max_num_seqs=4), LLM.from_loaded(lm, None, max_num_seqs=4, overlap=False)
+    on, off = overlapped(LLM.from_loaded(lm, None, max_num_seqs=4)), LLM.from_loaded(lm, None, max_num_seqs=4)
     assert run(on, prompts, params, stagger=None) == run(off, prompts, params, stagger=None)
     assert on.engine.num_overlapped_steps > 10, on.engine.num_overlapped_steps
-    outs = LLM.from_loaded(lm, draft, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
-    spec_consistency(outs)
+    assert not off.engine.overlap  # the CPU default
 
 
 def test_abort_while_a_step_is_enqueued(pair):
@@ -84,7 +91,7 @@ def test_abort_while_a_step_is_enqueued(pair):
     it had never run beside them."""
     lm, draft = pair
     prompts, params = workload(3, seed=5)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4)
+    llm = overlapped(LLM.from_loaded(lm, draft, max_num_seqs=4))
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     while eng.inflight is None:

@@ -147,7 +147,7 @@ class DecodeStep:
         host = torch.empty(packed[: len(seqs)].shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed[: len(seqs)], non_blocking=True)  # the step's one device-to-host copy
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, also when packed is not on cuda:0
         return Launched(seqs, K, buf, rows, packed, host, done)
 
     def collect(self, launched: Launched) -> list[StepResult]:

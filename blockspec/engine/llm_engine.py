@@ -60,7 +60,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
         self.K = proposer.num_draft_tokens if proposer is not None else 0
-        self.overlap = config.overlap and config.tensor_parallel_size == 1
+        # On the CPU a launched step has already run when launch returns: nothing would overlap, and each request
+        # finishing in a step would waste its row of the chained one. Tests turn it on there to check the path.
+        self.overlap = config.overlap and config.tensor_parallel_size == 1 and param.device.type == "cuda"
         self.inflight: Launched | None = None  # a decode step enqueued and not yet collected (overlap)
         self.num_overlapped_steps = 0  # steps enqueued before the previous one's tokens were read
 
@@ -97,7 +99,7 @@ class LLMEngine:
             self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None  # a step in flight is collected by step()
 
     def commit(self, seq: Sequence, new: list[int], num_accepted: int | None, kv_rows: int) -> None:
         seq.num_computed += kv_rows
@@ -157,7 +159,8 @@ class LLMEngine:
         finished, none waiting to be admitted, the batch within the token budget), the same K (no schedule change,
         no clipping near max_model_len), and free blocks for the next verify window whatever prev accepts."""
         running, K = self.scheduler.running, prev.K
-        if (self.scheduler.waiting or len(running) != len(prev.seqs) or any(s.finished for s in prev.seqs)
+        admit = self.scheduler.waiting and len(running) < self.config.max_num_seqs  # a full batch admits no one
+        if (admit or len(running) != len(prev.seqs) or any(s.finished for s in prev.seqs)
                 or len(running) * (K + 1) > self.config.max_num_batched_tokens
                 or self.config.draft_len(len(running), self.K) != K and any(s.speculate for s in prev.seqs)):
             return False
@@ -181,10 +184,15 @@ class LLMEngine:
                 if not r.seq.finished:
                     self.scheduler.finish(r.seq, FinishReason.ERROR)
         K = self.config.draft_len(len(self.scheduler.running), self.K)
+        chained = {id(s) for s in self.inflight.seqs} if self.inflight is not None else set()
         to_draft, ks = [], []
         for r in results:
             seq = r.seq
             if seq.finished or seq.in_prefill:
+                continue
+            if id(seq) in chained:  # the step in flight verifies these drafts, whatever K the batch now asks for
+                seq.drafts, seq.draft_probs = r.next_drafts or [], None
+                seq.stats.num_draft_passes += bool(r.next_drafts)
                 continue
             k = min(K, self.max_model_len - 1 - seq.num_computed) if seq.speculate else 0
             if r.next_drafts is not None and len(r.next_drafts) == k:  # the decode step drafted this block already
