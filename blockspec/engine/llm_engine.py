@@ -160,7 +160,8 @@ class LLMEngine:
         no clipping near max_model_len), and free blocks for the next verify window whatever prev accepts."""
         running, K = self.scheduler.running, prev.K
         admit = self.scheduler.waiting and len(running) < self.config.max_num_seqs  # a full batch admits no one
-        if (admit or len(running) != len(prev.seqs) or any(s.finished for s in prev.seqs)
+        # nothing is admitted while a step is in flight, so running differs from prev.seqs only by finished requests
+        if (admit or any(s.finished for s in prev.seqs)
                 or len(running) * (K + 1) > self.config.max_num_batched_tokens
                 or self.config.draft_len(len(running), self.K) != K and any(s.speculate for s in prev.seqs)):
             return False
@@ -190,15 +191,12 @@ class LLMEngine:
             seq = r.seq
             if seq.finished or seq.in_prefill:
                 continue
-            if id(seq) in chained:  # the step in flight verifies these drafts, whatever K the batch now asks for
-                seq.drafts, seq.draft_probs = r.next_drafts or [], None
-                seq.stats.num_draft_passes += bool(r.next_drafts)
-                continue
+            in_flight = id(seq) in chained  # its next step, in flight, verifies these drafts whatever K is now
             k = min(K, self.max_model_len - 1 - seq.num_computed) if seq.speculate else 0
-            if r.next_drafts is not None and len(r.next_drafts) == k:  # the decode step drafted this block already
+            if r.next_drafts is not None and (len(r.next_drafts) == k or in_flight):  # drafted by the decode step
                 seq.drafts, seq.draft_probs = r.next_drafts, None
                 seq.stats.num_draft_passes += 1
-            elif k > 0:
+            elif k > 0 and not in_flight:
                 to_draft.append(seq)
                 ks.append(k)
             else:
