@@ -32,6 +32,7 @@ from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.sampling import SamplingParams, SamplingRows
 from blockspec.speculative.acceptance import ForcedAcceptance
+from blockspec.speculative.schedule import derive_schedule
 
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -65,11 +66,14 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tuple[float, float, dict | None]:
-    """(graph ms, eager ms, breakdown at batch 1) of one decode step of B requests at context ctx."""
+def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int | None = None,
+            eager: bool = True) -> tuple[float, float | None, dict | None]:
+    """(graph ms, eager ms, breakdown at batch 1) of one decode step of B requests at context ctx, with K drafts
+    (default: the drafter's)."""
     from benchmarks.parts import breakdown
 
-    K = draft.spec.num_draft_tokens if draft is not None else 0
+    if K is None:
+        K = draft.spec.num_draft_tokens if draft is not None else 0
     per = -(-(ctx + 2 * K + 2) // 16)
     engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
     dec = engine.runner.decode
@@ -82,20 +86,39 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int) -> tup
     with torch.inference_mode():
         dec.replay(buf, rows, K)  # warm-up + capture
         graph = time_ms(lambda: dec.replay(buf, rows, K), 30)
-        eager = time_ms(lambda: dec.forward(buf, rows), 10)
+        if not eager:
+            return graph, None, None
+        eager_ms = time_ms(lambda: dec.forward(buf, rows), 10)
         parts = breakdown(lambda: dec.forward(buf, rows), graph) if B == 1 and ctx == 1024 else None
-    return graph, eager, parts  # the engine and its pool are freed on return
+    return graph, eager_ms, parts  # the engine and its pool are freed on return
+
+
+def forced_schedule(lm: LoadedModel, draft: LoadedDraft, batches: tuple[int, ...], ctx: int, tau: float,
+                    ks: tuple[int, ...] = (0, 3, 5, 6, 7, 11, 15)) -> dict:
+    """The draft length schedule the rule of blockspec/speculative/schedule.py derives for this pair on this GPU
+    when every block accepts as ForcedAcceptance(tau) does (p_i = 1 up to tau - 1, then the fraction, then 0), from
+    each K's measured step cost per batch: the "default schedule" of the end-to-end runs."""
+    K = draft.spec.num_draft_tokens
+    want = tau - 1.0
+    per_position = [min(max(want - i, 0.0), 1.0) for i in range(K)]
+    costs = {}
+    for B in batches:
+        costs[B] = {k: step_ms(lm, draft, B, ctx, K=k, eager=False)[0] / 1e3 for k in ks if k <= K}
+        free_memory()
+    schedule = derive_schedule(costs, per_position)
+    return {"schedule": schedule, "costs_ms": {B: {k: c * 1e3 for k, c in by_k.items()} for B, by_k in costs.items()},
+            "per_position": per_position, "context": ctx}
 
 
 def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new: int, tau: float | None,
-               overlap: bool = True) -> dict:
+               overlap: bool = True, schedule: dict[int, int] | None = None) -> dict:
     """tokens/s of LLMEngine.generate: B requests, ctx-token random prompts, `new` tokens each (prefill included);
     and the GPU's idle time between consecutive decode-step replays (the host gap), median over the run."""
     from blockspec.llm import LLM
 
     forced = ForcedAcceptance(tau) if tau is not None else None
     llm = LLM.from_loaded(lm, draft, acceptance=forced, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64),
-                          overlap=overlap)
+                          overlap=overlap, draft_len_schedule=schedule)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B + 1)]
     warm, prompts = prompts[:1], prompts[1:]
@@ -114,7 +137,8 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     gaps = dec.host_gaps_ms()
     n = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.acceptance_lengths]
-    return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "overlap": overlap, "tokens": n,
+    return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "overlap": overlap,
+            "draft_len_schedule": schedule, "tokens": n,
             "time_s": dt, "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None,
             "decode_replays": len(dec.marks), "host_gap_ms_median": statistics.median(gaps) if gaps else None,
             "host_breakdown_s": {k: round(v, 4) for k, v in host.items()}}
@@ -262,14 +286,24 @@ def main() -> None:
                                   lm, draft, bw), f, indent=1)
         return
     free_memory()
-    e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau) for B in (1, 32)]
+    try:
+        sched = forced_schedule(lm, draft, (1, 32), 1024, args.forced_tau)
+    except Exception as e:  # noqa: BLE001 - the end-to-end figures still come, with K = 15 throughout
+        sched = {"schedule": None, "error": f"{type(e).__name__}: {e}"}
+        free_memory()
+    print(json.dumps(sched), flush=True)
+    s = sched["schedule"]
+    e2e = [end_to_end(lm, draft, B, 1024, 512, args.forced_tau, schedule=s) for B in (1, 32)]
     e2e += [end_to_end(lm, None, B, 1024, 512, None) for B in (1, 32)]
-    e2e.append(end_to_end(lm, draft, 1, 1024, 512, args.forced_tau, overlap=False))
+    e2e.append(end_to_end(lm, draft, 1, 1024, 512, args.forced_tau, overlap=False, schedule=s))
+    e2e.append(end_to_end(lm, draft, 32, 1024, 512, args.forced_tau))  # K = 15 at every batch, for comparison
     for r in e2e:
         print(json.dumps(r), flush=True)
-    (spec1, spec32, plain1, plain32, sync1) = e2e
+    (spec1, spec32, plain1, plain32, sync1, spec32_k) = e2e
     e2e_keys = {"e2e_spec_tps_bs1": spec1["tokens_per_second"], "e2e_plain_tps_bs1": plain1["tokens_per_second"],
                 "e2e_speedup_c32": spec32["tokens_per_second"] / plain32["tokens_per_second"],
+                "e2e_speedup_c32_fixed_k": spec32_k["tokens_per_second"] / plain32["tokens_per_second"],
+                "e2e_draft_len_schedule": sched,
                 "overlap_host_gap_ms_bs1": spec1["host_gap_ms_median"],
                 "no_overlap_host_gap_ms_bs1": sync1["host_gap_ms_median"]}
     from benchmarks.hf_ref import hf_ar_step_ms, hf_twin
