@@ -120,11 +120,12 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     llm = LLM.from_loaded(lm, draft, acceptance=forced, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64),
                           overlap=overlap, draft_len_schedule=schedule)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B + 1)]
-    warm, prompts = prompts[:1], prompts[1:]
+    prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(2 * B)]
+    warm, prompts = prompts[:B], prompts[B:]
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    # capture graphs and compile the prefill kernels on a prompt of the same length that is NOT timed: reusing a
-    # timed prompt would make its prefill a prefix-cache hit of another shape (a Triton compile inside the timing)
+    # capture graphs (this batch's bucket) and compile the prefill kernels on B prompts of the same length that are
+    # NOT timed: reusing a timed prompt would make its prefill a prefix-cache hit of another shape (a Triton compile
+    # inside the timing)
     llm.generate(warm, SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)
     host = instrument(llm.engine)
     dec = llm.engine.runner.decode
