@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from typing import Callable
 
 import torch
 import triton
@@ -83,18 +84,22 @@ def main() -> None:
                 gbps = nbytes / time_us(lambda: gemv(x[0], w, bn, bk, warps, stages), 20) / 1e3
             except Exception as e:  # noqa: BLE001 - a config out of resources is skipped
                 continue
-            if err < 0.5 and (best is None or gbps > best["GBps"]):
+            # bf16 outputs of K-long dot products round at ~2^-8 of their size: a relative bound, not an absolute one
+            if err <= 2e-2 * ref.float().abs().max().item() and (best is None or gbps > best["GBps"]):
                 best = {"GBps": gbps, "block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "max_err": err}
         row["triton_best"] = best
         report["shapes"].append(row)
         print(json.dumps(row), flush=True)
         del w
     total = sum(N * K * 2 for _, N, K in SHAPES[:4]) * 36 + SHAPES[4][1] * SHAPES[4][2] * 2
-    ms = {kind: sum(N * K * 2 * (1 if n == "lm_head" else 36) / (r[kind] if kind == "cublas_GBps" else
-                    r["triton_best"]["GBps"]) / 1e6 for (n, N, K), r in zip(SHAPES, report["shapes"]))
-          for kind in ("cublas_GBps", "triton_best")}
-    report["step_gemm_ms"] = {"cublas": ms["cublas_GBps"], "triton_best": ms["triton_best"],
-                              "floor_at_copy_bw": total / copy_gbps / 1e6}
+    def step_ms(gbps: Callable[[dict], float]) -> float:
+        return sum(N * K * 2 * (1 if n == "lm_head" else 36) / gbps(r) / 1e6 for (n, N, K), r in zip(SHAPES, report["shapes"]))
+
+    # "faster_of_each": cuBLAS where no Triton config was correct and faster, as a per-shape dispatch would run
+    report["step_gemm_ms"] = {
+        "cublas": step_ms(lambda r: r["cublas_GBps"]),
+        "faster_of_each": step_ms(lambda r: max(r["cublas_GBps"], (r["triton_best"] or {"GBps": 0.0})["GBps"])),
+        "floor_at_copy_bw": total / copy_gbps / 1e6}
     print(json.dumps(report["step_gemm_ms"]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

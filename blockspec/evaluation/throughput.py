@@ -103,6 +103,7 @@ class ModeRuns:
     tokens: list[int] = field(default_factory=list)
     times_s: list[float] = field(default_factory=list)
     compiles: list[list[str]] = field(default_factory=list)
+    draft_len_schedule: dict[int, int] | None = None  # the spec engine's {batch: K}; None: K throughout (or plain)
 
     @property
     def time_s(self) -> float:
@@ -135,9 +136,10 @@ def interleaved(engine: Callable[[str], LLM], prompts: list[list[int]], params: 
     for mode in order:
         llm = engine(mode)
         outs, dt, compiled = timed_generate(llm, prompts, params, use_tqdm, speculate=mode == "spec")
+        schedule = llm.engine.config.draft_len_schedule if mode == "spec" else None
         del llm
         release()
-        r = runs.setdefault(mode, ModeRuns(outs))
+        r = runs.setdefault(mode, ModeRuns(outs, draft_len_schedule=schedule))
         r.tokens.append(sum(len(o.token_ids) for o in outs))
         r.times_s.append(dt)
         r.compiles.append(compiled)
@@ -161,12 +163,13 @@ class BenchResult:
     runs_time_s: list[float]  # every run, in run order
     time_spread: float  # (slowest - fastest) / median run time
     runs_kernel_compiles: list[list[str]]  # Triton kernels compiled inside each run (warm-up misses), in run order
+    draft_len_schedule: dict[int, int] | None  # spec: the draft length per batch size it ran with (None: K throughout)
 
 
 def result(mode: str, r: ModeRuns) -> BenchResult:
     lens = [a for o in r.outputs for a in o.acceptance_lengths]
     return BenchResult(mode, len(r.outputs), r.tokens[0], r.time_s, r.tokens_per_second,
-                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread, r.compiles)
+                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread, r.compiles, r.draft_len_schedule)
 
 
 def report(runs: dict[str, ModeRuns], order: list[str]) -> dict:
