@@ -75,7 +75,8 @@ def main() -> None:
         x = torch.randn(1, K, dtype=torch.bfloat16, device=dev)
         ref = torch.nn.functional.linear(x, w)[0]
         nbytes = w.numel() * 2
-        row = {"name": name, "N": N, "K": K, "cublas_GBps": nbytes / time_us(lambda: torch.nn.functional.linear(x, w)) / 1e3}
+        cublas_us = time_us(lambda: torch.nn.functional.linear(x, w))
+        row = {"name": name, "N": N, "K": K, "cublas_GBps": nbytes / cublas_us / 1e3}
         best = None
         for bn, bk, warps, stages in configs:
             try:
@@ -93,7 +94,8 @@ def main() -> None:
         del w
     total = sum(N * K * 2 for _, N, K in SHAPES[:4]) * 36 + SHAPES[4][1] * SHAPES[4][2] * 2
     def step_ms(gbps: Callable[[dict], float]) -> float:
-        return sum(N * K * 2 * (1 if n == "lm_head" else 36) / gbps(r) / 1e6 for (n, N, K), r in zip(SHAPES, report["shapes"]))
+        return sum(N * K * 2 * (1 if n == "lm_head" else 36) / gbps(r) / 1e6
+                   for (n, N, K), r in zip(SHAPES, report["shapes"]))
 
     # "faster_of_each": cuBLAS where no Triton config was correct and faster, as a per-shape dispatch would run
     report["step_gemm_ms"] = {

@@ -13,6 +13,7 @@ import torch
 
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import ConfigError
+from blockspec.evaluation.throughput import bench as run_bench
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.sampling import SamplingParams
@@ -87,9 +88,7 @@ def test_the_engine_drafts_as_the_drafters_schedule_says_with_unchanged_output(d
     assert longest[0] == 1 and max(longest) > 2  # no drafts among 4 requests, accepted drafts once alone
     default = LLM.from_loaded(lm, load_draft(SpeculativeConfig(draft_model=str(draft_dir)), lm))
     assert default.engine.config.draft_len_schedule is None  # a directory without the file: as before
-    from blockspec.evaluation.throughput import bench
-
-    report = bench(lm, draft, prompts[:2], params[:2], repeats=1, max_num_seqs=4, block_size=4)
+    report = run_bench(lm, draft, prompts[:2], params[:2], repeats=1, max_num_seqs=4, block_size=4)
     assert report["spec"]["draft_len_schedule"] == {1: 3, 3: 0}  # the report says which draft lengths it ran
     assert report["plain"]["draft_len_schedule"] is None
 
