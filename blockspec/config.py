@@ -13,6 +13,7 @@ from blockspec.models.dflash_config import DFlashConfig
 METHODS = ("dflash", "ngram", "draft-model")
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_DRAFT_TOKENS = 5  # K without a drafter's block size to derive it from
+AUTO = "auto"  # EngineConfig.draft_len_schedule: measured on this machine (engine/calibrate.py)
 # fields that only a DFlash drafter reads: given with another method, they are an error that names them
 DFLASH_ONLY = ("mask_token_id", "target_layer_ids", "full_block_drafting", "cpu_bf16_draft", "draft_vocab_size")
 
@@ -191,9 +192,13 @@ class EngineConfig:
     # parallelism (its ranks mirror the synchronous runner calls).
     overlap: bool = field(default=True, metadata={"flag": "--no-overlap",
                                                   "help": "do not overlap the host's work with the GPU's decode steps"})
-    draft_len_schedule: dict[int, int] | None = field(default=None, metadata={
-        "metavar": "B:K,...",
-        "help": "draft length by batch size, e.g. 1:15,16:7,64:3 (K of the largest B <= the running batch)"})
+    # None: the drafter's recorded table for this device (speculative/schedule.py), else K throughout. "auto" (the
+    # commands' and the LLM facade's default): that table, else measured on this machine (engine/calibrate.py)
+    draft_len_schedule: dict[int, int] | str | None = field(default=None, metadata={
+        "metavar": "auto|off|B:K,...",
+        "help": "draft length by batch size, e.g. 1:15,16:7,64:3 (K of the largest B <= the running batch); auto "
+                "(default): measured on this machine once and cached, K = 0 where drafting does not pay; off: K "
+                "throughout"})
     # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
     attention_backend: str = field(default="auto", metadata={"help": "torch | triton | auto (triton on CUDA)"})
     # True: the decode step runs the same code uncaptured
@@ -209,7 +214,12 @@ class EngineConfig:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
-        if self.draft_len_schedule is not None:
+        if self.draft_len_schedule == AUTO:
+            pass  # resolved by the LLM facade once the engine exists (engine/calibrate.py)
+        elif isinstance(self.draft_len_schedule, str):
+            raise ConfigError(f"draft_len_schedule={self.draft_len_schedule!r}: expected {AUTO!r}, None or a "
+                              f"{{batch: K}} mapping", field="draft_len_schedule")
+        elif self.draft_len_schedule is not None:
             sched = {int(k): int(v) for k, v in self.draft_len_schedule.items()}
             if not sched or min(sched) < 1 or min(sched.values()) < 0:
                 raise ConfigError(f"draft_len_schedule={self.draft_len_schedule!r}: keys (batch sizes) must be >= 1 "
@@ -218,7 +228,7 @@ class EngineConfig:
 
     def draft_len(self, batch_size: int, default: int) -> int:
         """K for a step running `batch_size` requests: the schedule entry of the largest key <= batch_size."""
-        if not self.draft_len_schedule:
+        if not isinstance(self.draft_len_schedule, dict) or not self.draft_len_schedule:
             return default
         keys = [k for k in self.draft_len_schedule if k <= batch_size]
         return min(default, self.draft_len_schedule[max(keys)]) if keys else default

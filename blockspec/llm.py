@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator, Sequence as Seq
 
 from tqdm import tqdm
 
-from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.config import AUTO, EngineConfig, SpeculativeConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.outputs import RequestOutput
 from blockspec.errors import BlockspecError, ConfigError
@@ -28,8 +29,9 @@ class LLM:
         auto | q8 | q4 | off, on the CPU the target's linears on packed int8 / int4 weights (layers/cpu_quant.py)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
-        config = EngineConfig(**engine_config)
-        self.tp = None
+        # a user who turns speculation on never gets a slower engine: K per batch size measured on this machine
+        config = EngineConfig(**{"draft_len_schedule": AUTO, **engine_config})
+        self.tp, self.calibration = None, None
         if config.tensor_parallel_size > 1:  # this process becomes rank 0 of N (docs/tensor-parallel.md)
             if cpu_packed:
                 raise ConfigError("cpu_packed=True is not supported with tensor_parallel_size > 1 (packed linears "
@@ -49,6 +51,10 @@ class LLM:
             from blockspec.distributed.launch import TensorParallelSession
             from blockspec.distributed.worker import ModelSpec
 
+            # the ranks mirror rank 0's runner calls: a calibration would run every one of them; the drafter's table
+            # for this device (if any) or K throughout
+            if config.draft_len_schedule == AUTO:
+                config = replace(config, draft_len_schedule=None)
             self.tp = TensorParallelSession(ModelSpec(model, speculative_config, device, dtype), config)
             self.lm, self.engine = self.tp.lm, self.tp.engine
             self.tokenizer = self.lm.tokenizer
@@ -58,6 +64,7 @@ class LLM:
         self.tokenizer = self.lm.tokenizer
         proposer = load_proposer(speculative_config, self.lm) if speculative_config is not None else None
         self.engine = LLMEngine(self.lm, proposer, config)
+        self._calibrate(config)
 
     @classmethod
     def from_loaded(cls, lm: LoadedModel, draft: Proposer | LoadedDraft | None = None,
@@ -65,9 +72,20 @@ class LLM:
         """Wrap an already loaded target (and draft) without reading any files again. acceptance: see LLMEngine
         (benchmarks force one; users keep the default)."""
         self = cls.__new__(cls)
-        self.lm, self.tokenizer, self.tp = lm, lm.tokenizer, None
-        self.engine = LLMEngine(lm, draft, EngineConfig(**engine_config), acceptance)
+        self.lm, self.tokenizer, self.tp, self.calibration = lm, lm.tokenizer, None, None
+        config = EngineConfig(**engine_config)
+        self.engine = LLMEngine(lm, draft, config, acceptance)
+        self._calibrate(config)
         return self
+
+    def _calibrate(self, config: EngineConfig) -> None:
+        """draft_len_schedule="auto": the draft length per batch size for this machine (engine/calibrate.py), kept
+        in self.calibration for callers to report."""
+        if config.draft_len_schedule == AUTO and self.engine.proposer is not None:
+            from blockspec.engine.calibrate import auto_schedule
+
+            self.calibration = auto_schedule(self.engine)
+            self.engine.set_draft_len_schedule(self.calibration.schedule)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (a no-op on one device; also done at exit)."""

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
+# draft length calibrations (engine/calibrate.py) of the tests' models go to a private directory, not ~/.cache
+os.environ.setdefault("BLOCKSPEC_CACHE_DIR", tempfile.mkdtemp(prefix="blockspec-test-cache-"))
 # Tiny test models run fastest single-threaded; more threads only add contention on the 2-core CI machine.
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import replace
 
 from blockspec.attention.backends import get_backend
-from blockspec.config import EngineConfig
+from blockspec.config import AUTO, EngineConfig
 from blockspec.engine.decode_step import Launched
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.outputs import FinishReason, RequestOutput, StepTrace
@@ -34,9 +34,11 @@ class LLMEngine:
         config = config or EngineConfig()
         cfg = lm.config
         param = next(lm.model.parameters())
-        if proposer is not None and config.draft_len_schedule is None:
-            # the drafter's own measured schedule for this device, if it carries one (speculative/schedule.py)
-            config = replace(config, draft_len_schedule=proposer.default_draft_len_schedule(param.device))
+        if proposer is None or config.draft_len_schedule in (None, AUTO):
+            # the drafter's own measured schedule for this device, if it carries one (speculative/schedule.py); "auto"
+            # is measured by the LLM facade once this engine exists (engine/calibrate.py)
+            schedule = proposer.default_draft_len_schedule(param.device) if proposer is not None else None
+            config = replace(config, draft_len_schedule=schedule)
         self.config = config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         blocks = config.num_kv_blocks
@@ -65,6 +67,10 @@ class LLMEngine:
         self.overlap = config.overlap and config.tensor_parallel_size == 1 and param.device.type == "cuda"
         self.inflight: Launched | None = None  # a decode step enqueued and not yet collected (overlap)
         self.num_overlapped_steps = 0  # steps enqueued before the previous one's tokens were read
+
+    def set_draft_len_schedule(self, schedule: dict[int, int] | None) -> None:
+        """{batch: K} from the next drafting on (None: K throughout); calibration sets it once measured."""
+        self.config = replace(self.config, draft_len_schedule=schedule)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     speculate: bool = True) -> str:

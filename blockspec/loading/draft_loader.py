@@ -25,6 +25,7 @@ class LoadedDraft:
     config: DFlashConfig
     spec: ResolvedSpec
     source: Path | None = None  # the checkpoint directory it was loaded from (None: built in memory)
+    draft_vocab_size: int | None = None  # argmax drafts over ids < N (SpeculativeConfig.draft_vocab_size)
 
 
 def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
@@ -47,7 +48,8 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     pack = torch.bfloat16 if spec.cpu_bf16_draft else param.dtype if target.cpu_packed else None
     prepare_draft(model, target.model.lm_head, pack, resolved.draft_rows(resolved.num_draft_tokens),
                   spec.draft_vocab_size)
-    return LoadedDraft(model.eval(), cfg, resolved, source.path if source.path.is_dir() else None)
+    return LoadedDraft(model.eval(), cfg, resolved, source.path if source.path.is_dir() else None,
+                       spec.draft_vocab_size)
 
 
 def _check_cpu_bf16(device: torch.device) -> None:

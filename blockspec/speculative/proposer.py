@@ -81,6 +81,11 @@ class Proposer(ABC):
         default when it is given none."""
         return None
 
+    def identity(self) -> dict:
+        """What a step's cost depends on besides the target: calibrations are cached under it."""
+        return {"method": self.name, "K": self.num_draft_tokens, "probabilistic": self.probabilistic,
+                "rows": self.draft_rows(self.num_draft_tokens)}
+
     @abstractmethod
     def append_context(self, models: StepModels, rows: CommittedRows) -> None: ...
 

@@ -56,6 +56,14 @@ def load_schedule(directory: Path, device: torch.device) -> dict[int, int] | Non
         raise ConfigError(f"{path}: not a draft length schedule file ({type(e).__name__}: {e})") from None
 
 
+def fingerprint(path: Path | None) -> list:
+    """Name, size and modification time of a model's files: a changed checkpoint is calibrated again."""
+    if path is None:
+        return []
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files if f.is_file() and f.name != SCHEDULE_FILE]
+
+
 def install_schedule(directory: Path, device: torch.device, table: dict) -> Path:
     """Record `table` (its "schedule" and how it was measured) for this device in the directory's SCHEDULE_FILE,
     keeping the other devices' entries."""
