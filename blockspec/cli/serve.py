@@ -20,6 +20,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "default its file name, SmolLM2-135M-Instruct.Q4_1)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="Host header names answered besides the loopback names and --host, comma-separated (*: any; "
+                        "the port is ignored); other names get 400, against DNS rebinding")
     p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                    help="request bodies over N bytes get 413 without being read (default: 4 MiB)")
     p.add_argument("--shutdown-grace", type=float, default=2.0, metavar="SECONDS",
@@ -36,11 +39,13 @@ def run(args: argparse.Namespace) -> int:
 
     from blockspec.errors import BlockspecError
     from blockspec.server.app import build_app
+    from blockspec.server.hosts import allowed_hosts
 
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise BlockspecError(f"--max-request-bytes {args.max_request_bytes}: must be >= 1")
     if not 0 <= args.shutdown_grace < float("inf"):
         raise BlockspecError(f"--shutdown-grace {args.shutdown_grace}: must be a number of seconds >= 0")
+    hosts = allowed_hosts(args.allowed_hosts, args.host)
     try:  # bind before loading the model: a busy port fails in a second, not after a minute of loading
         sock = socket.create_server((args.host, args.port))
     except (OSError, OverflowError) as e:
@@ -49,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     # the source as given; for the bundled default its file name (clients type this name)
     name = args.served_model_name or model_source(args) or llm.lm.source.path.stem
     body_limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-    app = build_app(llm.engine, name, args.api_key or os.environ.get(API_KEY_ENV) or None, **body_limit)
+    app = build_app(llm.engine, name, args.api_key or os.environ.get(API_KEY_ENV) or None, allowed_hosts=hosts,
+                    **body_limit)
     engine_loop = app.state.engine_loop
 
     class Server(uvicorn.Server):

@@ -76,9 +76,10 @@ def calibration_key(engine: LLMEngine) -> tuple[str, dict]:
     """A stable hash of everything a step's cost depends on, and the record it hashes."""
     lm, cfg, proposer = engine.lm, engine.config, engine.proposer
     param = next(lm.model.parameters())
+    target = fingerprint(lm.source.path) if lm.source is not None else []  # None: built in memory (benchmarks)
     record = {
         "device": device_name(param.device), "torch": torch.__version__, "dtype": str(param.dtype),
-        "target": fingerprint(lm.source.path), "cpu_packed": lm.cpu_packed, "cpu_quant": lm.cpu_quant,
+        "target": target, "cpu_packed": lm.cpu_packed, "cpu_quant": lm.cpu_quant,
         "batch_invariant": lm.batch_invariant, "attention": cfg.attention_backend, "eager": cfg.enforce_eager,
         "overlap": engine.overlap, "block_size": cfg.block_size,
         "proposer": proposer.identity() if proposer is not None else None,
@@ -127,6 +128,7 @@ class _Batch:
     def release(self) -> None:
         for rid in self.ids:
             self.engine.abort(rid)
+        self.engine.step()  # hands out the aborted requests' outputs: none is left for the engine's next caller
         while self.engine.has_unfinished():
             self.engine.step()
         self.ids = []

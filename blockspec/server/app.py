@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, OpenAI-style errors, optional API key, response counting, engine lifespan."""
+"""The FastAPI application: routes, OpenAI-style errors, allowed Host names, optional API key, response counting,
+engine lifespan."""
 
 from __future__ import annotations
 
@@ -15,21 +16,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.server.engine_loop import EngineLoop, shutting_down
+from blockspec.server.hosts import LOOPBACK_HOSTS, HostCheck
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
 from blockspec.server.prepare import ModelLimits, Prepared, prepare_chat, prepare_completion
 from blockspec.server.protocol import (DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest, CompletionRequest,
                                        SamplingRequest, parse_body, read_body)
 from blockspec.server.runner import ServingState, run_request
 
+
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
 class _Guard:
-    """Outermost ASGI layer: checks the API key (401 for anything without it) and counts every response."""
+    """Outermost ASGI layer: checks the Host header (400 for a name not allowed) and the API key (401 for anything
+    without it), and counts every response."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None) -> None:
-        self.app, self.metrics, self.api_key = app, metrics, api_key
+    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None, hosts: HostCheck) -> None:
+        self.app, self.metrics, self.api_key, self.hosts = app, metrics, api_key, hosts
         self.state: ServingState | None = None
 
     def _authorized(self, scope: Scope) -> bool:
@@ -49,6 +53,10 @@ class _Guard:
                 self.metrics.count_http(path, message["status"])
             await send(message)
 
+        refusal = self.hosts.refusal(scope.get("headers") or [])
+        if refusal is not None:  # before the key: a rebinding page learns nothing, not even that a key is needed
+            err = APIError(400, refusal, code="host_not_allowed")
+            return await _error_response(err)(scope, receive, counting_send)
         if not self._authorized(scope):
             err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
@@ -59,9 +67,11 @@ class _Guard:
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> ASGIApp:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              allowed_hosts: frozenset[str] = LOOPBACK_HOSTS) -> ASGIApp:
     """An ASGI app serving `engine` under `model_name`; the engine thread runs for the app's lifespan. Request bodies
-    over `max_request_bytes` get 413. Its `.state` is the ServingState (engine loop, limits, metrics)."""
+    over `max_request_bytes` get 413; a Host header whose name is not in `allowed_hosts` ("*": any) gets 400. Its
+    `.state` is the ServingState (engine loop, limits, metrics)."""
     tok = engine.lm.tokenizer
     limits = ModelLimits(model_name, tok, engine.lm.config.vocab_size, engine.max_model_len,
                          engine.pool.num_blocks * engine.pool.block_size, engine.K + 1)
@@ -125,7 +135,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         return await run_request(state, await prepared(request, ChatCompletionRequest, prepare_chat), request,
                                  chat=True)
 
-    # outermost, so that the key is checked before anything else and every response is counted, 500s included
-    guard = _Guard(app, metrics, api_key)
+    # outermost, so that Host and key are checked before anything else and every response is counted, 500s included
+    guard = _Guard(app, metrics, api_key, HostCheck(allowed_hosts))
     guard.state = state
     return guard

@@ -2,7 +2,10 @@
 
 Handlers on the asyncio loop send commands (add, abort, stop) through a queue; the thread steps the engine while it
 has work and hands each output to its request's asyncio queue with call_soon_threadsafe. torch work never runs on
-the event loop, and the engine is never touched from two threads."""
+the event loop, and the engine is never touched from two threads.
+
+Outputs are counted in /metrics where they are read (runner.py), since only the reader knows where a stop string cut
+a choice; outputs nobody will read (the request is over) are counted here, on the event loop, as they arrive."""
 
 from __future__ import annotations
 
@@ -30,12 +33,21 @@ class RequestStream:
     request_id: str
     queue: asyncio.Queue  # (choice position, RequestOutput) or an APIError that ends the request
     rids: list[str] = field(default_factory=list)  # engine request ids, by choice position; set by the thread
+    closed: bool = False  # the HTTP request is over: nobody reads the queue any more
+    settled: set[int] = field(default_factory=set)  # choices counted in /metrics up to their end (a stop string)
 
     async def next(self) -> tuple[int, RequestOutput]:
         item = await self.queue.get()
         if isinstance(item, APIError):
             raise item
         return item
+
+    def count_unread(self, metrics: Metrics, pos: int, out: RequestOutput) -> None:
+        """An output of choice `pos` that will not be read: past a stop string its tokens were not answered."""
+        if pos in self.settled:
+            metrics.count_tokens(0, discarded=len(out.new_token_ids))
+        else:
+            metrics.record_output(out)
 
 
 @dataclass
@@ -87,6 +99,23 @@ class EngineLoop:
     def abort(self, stream: RequestStream, position: int | None = None) -> None:
         """Abort one choice of `stream`, or every one still running (finished ones are left alone)."""
         self._commands.put(_Abort(stream, position))
+
+    def release(self, stream: RequestStream) -> None:
+        """The request is over: abort its choices still running; outputs not read, and those still to come, are
+        counted as they are."""
+        stream.closed = True
+        while not stream.queue.empty():
+            item = stream.queue.get_nowait()
+            if not isinstance(item, APIError):
+                stream.count_unread(self.metrics, *item)
+        self.abort(stream)
+
+    def _deliver(self, stream: RequestStream, pos: int, out: RequestOutput) -> None:
+        """On the event loop: hand `out` to its reader, or count it when there is none any more."""
+        if stream.closed:
+            stream.count_unread(self.metrics, pos, out)
+        else:
+            stream.queue.put_nowait((pos, out))
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and abort the running ones; their streams end with finish_reason "abort"."""
@@ -185,8 +214,9 @@ class EngineLoop:
         used = self.engine.pool.num_blocks - self.engine.blocks.num_free
         self.metrics.record_step(time.perf_counter() - t0, len(sched.waiting), len(sched.running), used)
         for out in outputs:
-            self.metrics.record_output(out)
             owner = self._owners.pop(out.request_id, None) if out.finished else self._owners.get(out.request_id)
+            if owner is None or out.finish_reason is FinishReason.ERROR:  # nobody will read it: counted here
+                self.metrics.record_output(out)
             if owner is not None and out.finish_reason is FinishReason.ERROR:  # the engine failed this request alone
                 log.error("request %s failed in the engine: %s", out.request_id, out.error)
                 self.metrics.count_error("request")
@@ -196,7 +226,7 @@ class EngineLoop:
                     del self._owners[rid]
                 self._post(owner[0].queue.put_nowait, internal_error(owner[0].request_id))
             elif owner is not None:
-                self._post(owner[0].queue.put_nowait, (owner[1], out))
+                self._post(self._deliver, owner[0], owner[1], out)
         return False
 
 

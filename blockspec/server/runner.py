@@ -61,24 +61,35 @@ class _Request:
         self.reasons: list[FinishReason | None] = [None] * len(prepared.choices)
 
     async def updates(self) -> AsyncIterator[Update]:
-        """Updates per choice until every choice has its finish reason."""
+        """Updates per choice until every choice has its finish reason. /metrics counts what is answered: tokens
+        and steps past a stop string are the engine's, not the choice's (usage does not count them either)."""
+        metrics = self.state.metrics
         while None in self.reasons:
             pos, out = await self.stream.next()
-            if self.reasons[pos] is not None:  # the engine's "abort" after we cut at a stop string
+            if self.reasons[pos] is not None:  # the engine's steps after we cut at a stop string, its "abort"
+                metrics.count_tokens(0, discarded=len(out.new_token_ids))
                 continue
             text = self.texts[pos]
             seen = len(text.token_ids)
             delta, reason = text.push(out.new_token_ids), None
+            if out.finished and not text.stopped:
+                delta += text.finish()  # may complete a stop string with the last token's held-back bytes
+            kept = len(text.token_ids) - seen
+            metrics.count_tokens(kept, discarded=len(out.new_token_ids) - kept)
             self.acceptance[pos] = out.acceptance_lengths
             if text.stopped:
                 reason = FinishReason.STOP
                 self.acceptance[pos] = _acceptance_upto(out.acceptance_lengths, len(text.token_ids))
+                self.stream.settled.add(pos)
                 self.state.engine_loop.abort(self.stream, pos)
+                metrics.record_finished(len(out.prompt_ids), self.acceptance[pos],
+                                        (out.steps or [])[:len(self.acceptance[pos])])
             elif out.finished:
-                delta, reason = delta + text.finish(), out.finish_reason
+                reason = out.finish_reason
+                metrics.record_finished(len(out.prompt_ids), out.acceptance_lengths, out.steps or [])
             if reason is not None:
                 self.reasons[pos] = reason
-                self.state.metrics.count_finish(reason)  # as answered: a stop string is "stop", whatever the engine
+                metrics.count_finish(reason)  # as answered: a stop string is "stop", whatever the engine
             yield Update(pos, delta, text.token_ids[seen:], reason)
 
     def close(self) -> None:
@@ -88,7 +99,7 @@ class _Request:
             if reason is None:
                 self.reasons[pos] = FinishReason.ABORT
                 self.state.metrics.count_finish(FinishReason.ABORT)
-        self.state.engine_loop.abort(self.stream)
+        self.state.engine_loop.release(self.stream)
 
     def usage(self) -> Usage:
         return Usage(sum(len(p) for p in self.prepared.prompts), sum(len(t.token_ids) for t in self.texts),
