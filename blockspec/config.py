@@ -4,10 +4,13 @@ validated when built and against the target."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from blockspec.errors import ConfigError
-from blockspec.models.config import ModelConfig
-from blockspec.models.dflash_config import DFlashConfig
+
+if TYPE_CHECKING:  # annotations only: the CLI builds its flags from this module without importing torch
+    from blockspec.models.config import ModelConfig
+    from blockspec.models.dflash_config import DFlashConfig
 
 
 METHODS = ("dflash", "ngram", "draft-model")

@@ -1,6 +1,9 @@
 """`blockspec` command line: the commands, each in its own module of this package, which defines `add_args(parser)`
 and `run(args) -> int`. Only the module of the command invoked is imported (so `blockspec --help` stays fast and one
-command's heavy dependencies never slow down or break another); user errors print one line and exit 2."""
+command's heavy dependencies never slow down or break another), and a command module imports nothing heavy (torch,
+transformers, the engine) until run(), so `blockspec CMD --help`, a bad flag and a bad input answer in well under a
+second. A bad flag prints that command's usage; the inputs (model, drafter, prompt files) are checked before run();
+user errors print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -36,14 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    module = None
+    module, command_parser = None, parser
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help)
         if name == chosen:
             module = importlib.import_module(f"blockspec.cli.{command.module}")
             module.add_args(p)
-    args = parser.parse_args(argv)
+            command_parser = p
+    # A command's parser hands the arguments it does not know up to this one, whose parse_args would report them
+    # under the top-level usage; the command's own usage is the one that helps.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        from blockspec.cli.inputs import check_inputs
+
+        check_inputs(command_parser, args)  # before the command imports or loads anything
         extra = COMMANDS[args.command].extra
         if extra is not None:
             from blockspec.cli.extras import require_extra

@@ -7,9 +7,9 @@ import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
-                                 add_speculative_args, add_speed_args, speculative_config)
-from blockspec.train.launch import SETUP_TIMEOUT_S
+from blockspec.cli.flags import (add_device_args, add_dist_timeout_arg, add_max_batch_size, add_max_tokens,
+                                 add_model_arg, add_sampling_args, add_speculative_args, add_speed_args,
+                                 speculative_config)
 
 if TYPE_CHECKING:
     from blockspec.config import SpeculativeConfig
@@ -41,10 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                   "only; same data, less time)"})
     add_device_args(p)
     add_speed_args(p, cpu_packed=False, cpu_quant=False)  # the data is the target's own answers
-    p.add_argument("--dist-timeout", type=float, default=SETUP_TIMEOUT_S, metavar="SECONDS",
-                   help=f"under torchrun (each rank generates a share of the prompts, rank 0 merges them; "
-                        f"docs/training.md): how long the ranks wait for each other at set-up (default "
-                        f"{SETUP_TIMEOUT_S:g})")
+    add_dist_timeout_arg(p, "under torchrun (each rank generates a share of the prompts, rank 0 merges them; "
+                            "docs/training.md): how long the ranks wait for each other at set-up")
 
 
 def run(args: argparse.Namespace) -> int:

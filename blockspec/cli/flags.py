@@ -147,6 +147,18 @@ def parse_schedule(text: str) -> dict[int, int]:
                              f"1:15,16:7,64:3") from None
 
 
+# Default of --dist-timeout: how long set-up under torchrun waits for every rank to arrive. A flag default, kept here
+# rather than in train/launch.py so that `--help` does not import torch.distributed to print it.
+DIST_TIMEOUT_S = 300.0
+
+
+def add_dist_timeout_arg(p: argparse._ActionsContainer, help: str) -> None:
+    """--dist-timeout SECONDS (draft-data, train-draft under torchrun); `help` says what waits, the default is
+    appended."""
+    p.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_S, metavar="SECONDS",
+                   help=f"{help} (default {DIST_TIMEOUT_S:g})")
+
+
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """The model (also as the first argument), drafter and engine flags of serve and chat: what build_llm reads."""
     add_model_arg(p, positional=True)

@@ -8,20 +8,19 @@ import dataclasses
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_sampling_args, add_speculative_args, add_speed_args, build_llm, engine_config,
                                  sampling_params, speculative_config)
-from blockspec.data.prompts_file import read_prompts_file
-from blockspec.engine.outputs import RequestOutput
-from blockspec.engine.sequence import check_prompt
 from blockspec.errors import BlockspecError
-from blockspec.llm import LLM
-from blockspec.loading.detokenizer import IncrementalDecoder
-from blockspec.loading.loader import LoadedModel, load_model
-from blockspec.sampling import SamplingParams
-from blockspec.speculative.proposer import Proposer
-from blockspec.speculative.registry import load_proposer
+
+# the engine, the loaders and torch are imported by run(): `generate --help` and a bad flag need none of them
+if TYPE_CHECKING:
+    from blockspec.engine.outputs import RequestOutput
+    from blockspec.loading.loader import LoadedModel
+    from blockspec.sampling import SamplingParams
+    from blockspec.speculative.proposer import Proposer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +43,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockspec.llm import LLM
+    from blockspec.loading.detokenizer import IncrementalDecoder
+    from blockspec.loading.loader import load_model
+    from blockspec.speculative.registry import load_proposer
+
     params = sampling_params(args)
     spec = speculative_config(args, report_flags=["trace"])
     if args.tensor_parallel_size > 1:
@@ -76,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer | None,
                       params: SamplingParams) -> int:
+    from blockspec.data.prompts_file import read_prompts_file
+    from blockspec.engine.sequence import check_prompt
+    from blockspec.llm import LLM
+
     tok = lm.tokenizer
     prompts, per_params = [], []
     for s in read_prompts_file(args.prompts_file):

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from blockspec.cli.config_flags import add_config_flags, flags_given
-from blockspec.cli.flags import add_device_args, add_model_arg
+from blockspec.cli.flags import add_device_args, add_dist_timeout_arg, add_model_arg
 from blockspec.train.config import TrainConfig
-from blockspec.train.launch import SETUP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from blockspec.loading.loader import LoadedModel
@@ -72,11 +71,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                              "train-draft ...` (docs/training.md), --grad-accum a multiple of the world size")
     r.add_argument("--fsdp", action="store_true", help="shard the frozen target's decoder layers over the ranks, for "
                    "a target that does not fit one device (needs torchrun and --data)")
-    r.add_argument("--dist-timeout", type=float, default=SETUP_TIMEOUT_S, metavar="SECONDS",
-                   help=f"how long the ranks wait for each other at set-up (default {SETUP_TIMEOUT_S:g})")
+    add_dist_timeout_arg(r, "how long the ranks wait for each other at set-up")
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockspec.cli.inputs import check_path
     from blockspec.errors import BlockspecError
     from blockspec.train.distributed import check_global_batch
     from blockspec.train.launch import join, launched, session, world
@@ -91,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         given = [k for k, v in shape_flags.items() if v is not None]
         raise BlockspecError(f"{', '.join(given)} cannot be combined with --init (the drafter's shape comes from "
                              f"{args.init}/config.json; only --draft-layers may add layers)")
+    # read after the target has loaded (_train): a missing one should not wait for it
+    for path in args.prompts or ():
+        check_path(path, "--prompts", "path")
+    if args.init is not None:
+        check_path(args.init, "--init", "dir")
     if args.fsdp:
         _check_fsdp(args, launched())
     dp = None

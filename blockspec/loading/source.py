@@ -6,12 +6,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from blockspec.errors import ModelLoadError
 from blockspec.loading.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # annotations only: check_source runs before the CLI imports torch (`--help` and bad inputs fast)
+    import torch
 
 
 @dataclass
@@ -76,6 +77,46 @@ def from_hub(repo_id: str) -> ModelSource:
     return from_hf_dir(Path(local), repo_id)
 
 
+def _hub_id(src: str) -> bool:
+    """Whether `src`, found neither as a directory nor as a file, is read as a hub id 'org/name': not when it ends in
+    .gguf (a local file that is missing) or when its org part is a local directory (then it names a missing entry of
+    that directory, not a repository)."""
+    return bool(_HUB_ID.match(src)) and not src.endswith(".gguf") and not Path(src.partition("/")[0]).is_dir()
+
+
+def _not_found(src: str) -> str:
+    """Why `src`, which is neither a directory nor a file, is not taken as a model source either."""
+    org, _, name = src.partition("/")
+    if _HUB_ID.match(src) and Path(org).is_dir():  # read as a hub id but for this directory: say why not the hub
+        return (f"{org}/ is a local directory without {name} (a hub id is looked up only when no local directory "
+                f"has its org's name)")
+    if src.startswith((".", "/", "~")) or src.endswith(".gguf"):
+        return "no such file or directory"
+    return "not a directory, not a .gguf file, not a hub id (org/name)"
+
+
+def _not_gguf(src: str) -> str:
+    return f"{src}: a model file must be .gguf; for safetensors pass the directory holding config.json"
+
+
+def check_source(src: str | None, flag: str) -> None:
+    """What resolve_source would refuse without reading a weight, checked before anything loads: a local path that
+    does not exist, a directory without config.json, a file that is not .gguf. The message starts with `flag` (the
+    flag or argument the source came from) so that the user knows which input it is. Hub ids and None (the bundled
+    default) pass: they cannot be checked offline cheaply."""
+    if src is None:
+        return
+    p = Path(src).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{flag} {src}: not a model directory: {p / 'config.json'} is missing")
+    elif p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelLoadError(f"{flag} {_not_gguf(src)}")
+    elif not _hub_id(src):
+        raise ModelLoadError(f"{flag} {src}: not found: {_not_found(src)}")
+
+
 def resolve_source(src: str | None) -> ModelSource:
     """None -> the bundled default (SmolLM2-135M-Instruct); a directory; a .gguf file; or a hub id 'org/name'."""
     if src is None:
@@ -89,7 +130,7 @@ def resolve_source(src: str | None) -> ModelSource:
     if p.is_file():
         if p.suffix == ".gguf":
             return from_gguf(p, src)
-        raise ModelLoadError(f"{src}: a model file must be .gguf; for safetensors pass the directory holding config.json")
-    if _HUB_ID.match(src) and not src.startswith((".", "/")):
+        raise ModelLoadError(_not_gguf(src))
+    if _hub_id(src):
         return from_hub(src)
-    raise ModelLoadError(f"model source {src!r} not found: not a directory, not a .gguf file, not a hub id (org/name)")
+    raise ModelLoadError(f"model source {src!r} not found: {_not_found(src)}")

@@ -26,8 +26,6 @@ RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Collectives after set-up wait this long: rank 0 alone runs the engine's tau evaluation and writes checkpoints
 # while the others wait in the next collective.
 OP_TIMEOUT = timedelta(hours=1)
-# Default of --dist-timeout: how long set-up waits for every rank to arrive.
-SETUP_TIMEOUT_S = 300.0
 
 
 def launched() -> bool:
