@@ -40,16 +40,19 @@ class SpeculativeConfig:
     probabilistic_drafting: bool = field(default=False, metadata={
         "help": "sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)"})
     # draft every block with the drafter's trained block size and verify the first K drafts: with K + 1 below the
-    # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step
-    full_block_drafting: bool = field(default=False, metadata={
+    # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step.
+    # None (unset): off here; the commands turn it on for the CPU (cpu_draft_defaults)
+    full_block_drafting: bool | None = field(default=None, metadata={
         "help": "draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 is below "
-                "the block size and drafting is cheap next to verifying)"})
+                "the block size and drafting is cheap next to verifying; default: on for the CPU)"})
     # CPU only: run the drafter, and its pass over the target's lm_head, in bf16 on weights packed once for oneDNN
     # (blockspec/layers/cpu_packed.py). The target still verifies every draft in its own dtype: outputs are those of
-    # plain decoding; only the drafts (acceptance) may differ.
-    cpu_bf16_draft: bool = field(default=False, metadata={
+    # plain decoding; only the drafts (acceptance) may differ. None (unset): off here; the commands turn it on where
+    # the CPU has bf16 units (cpu_draft_defaults)
+    cpu_bf16_draft: bool | None = field(default=None, metadata={
         "help": "CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); the "
-                "target still verifies every draft in its own dtype, so outputs do not change"})
+                "target still verifies every draft in its own dtype, so outputs do not change (default: on where "
+                "the CPU has them)"})
     # argmax drafts over token ids < N only (a smaller draft head: BPE ids are roughly frequency-ordered, so the
     # first ids cover most output tokens). Lossless: the target still verifies; drafts of ids >= N are never made.
     # None: the whole vocabulary. Argmax drafting only.
@@ -155,7 +158,8 @@ def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConf
             f"num_draft_tokens={k} is out of range for this draft: block_size={draft.block_size} allows 1.."
             f"{draft.block_size - 1}"
         )
-    return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting, spec.full_block_drafting)
+    return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting,
+                        bool(spec.full_block_drafting))
 
 
 @dataclass

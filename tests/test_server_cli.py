@@ -83,8 +83,8 @@ def test_serve_flag_errors(capsys):
         assert main(["serve", str(target), *flag]) == 2
         assert capsys.readouterr().err == f"blockspec: error: {flag[0]} needs --draft\n"
     assert main(["serve", str(target), "--draft", str(draft), "--draft-len-schedule", "1:7,16"]) == 2
-    assert capsys.readouterr().err == ("blockspec: error: --draft-len-schedule '1:7,16': expected batch:K pairs "
-                                       "separated by commas, e.g. 1:15,16:7,64:3\n")
+    assert capsys.readouterr().err == ("blockspec: error: --draft-len-schedule '1:7,16': expected auto, off or "
+                                       "batch:K pairs separated by commas, e.g. 1:15,16:7,64:3\n")
     assert main(["serve", str(target), "--draft", str(draft), "--draft-len-schedule", "0:7"]) == 2
     assert "draft_len_schedule={0: 7}" in capsys.readouterr().err
     assert main(["serve", str(target), "--max-request-bytes", "0"]) == 2

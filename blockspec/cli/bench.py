@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_speculative_args, add_speed_args, build_llm, engine_config, speculative_config)
+from blockspec.config import AUTO
 from blockspec.data.eval_prompts import EVAL_SETS
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_timing_args(p)
     add_device_args(p)
     p.add_argument("--json", action="store_true")
-    add_engine_args(p, ["enforce_eager", "overlap", "tensor_parallel_size"])
+    add_engine_args(p, ["enforce_eager", "overlap", "tensor_parallel_size", "draft_len_schedule"])
 
 
 def prompt_set(args: argparse.Namespace) -> str:
@@ -100,7 +101,7 @@ def _params(described: dict, max_tokens: int) -> SamplingParams:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = speculative_config(args)
+    spec = speculative_config(args, device_defaults=True)
     chosen = prompt_set(args)
     if args.tensor_parallel_size > 1:
         report = _bench_tensor_parallel(args, chosen)
@@ -116,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
 
             draft = load_proposer(spec, lm)
         prompts, described = bench_prompts(lm, args, chosen)
+        # the spec engine runs the draft length schedule measured on this machine unless one is given
         report = bench(lm, draft, prompts, _params(described, args.max_tokens), args.repeats, args.first,
-                       **engine_config(args))
+                       **{"draft_len_schedule": AUTO, **engine_config(args)})
         report["prompts"] = described
     report["config"] = {**{key: getattr(args, dest) for key, dest in _REPORTED.items()}, "prompts": chosen}
     print(json.dumps(report) if args.json else _text(report))

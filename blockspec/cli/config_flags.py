@@ -1,6 +1,7 @@
 """Flags drawn from a config dataclass, and back: a field whose metadata has a "help" is a flag, --field-name unless
 the metadata names another ("flag"), parsed into the field's name. A bool flag turns its field away from the
-default (store_true, or store_false for a field that defaults to True); int, float and str fields take a value of
+default (store_true, or store_false for a field that defaults to True); a `bool | None` field gets --x and --no-x
+(None when neither is given); int, float and str fields take a value of
 that type; a field of any other type takes its text, which the config's converter parses."""
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def _default(f: dataclasses.Field) -> Any:
 def _argument(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     if hint is bool:
         return {"action": "store_false" if f.default else "store_true", "help": f.metadata["help"]}
+    if set(typing.get_args(hint)) == {bool, type(None)}:  # None: the command decides; --x / --no-x say it
+        return {"action": argparse.BooleanOptionalAction, "default": None, "help": f.metadata["help"]}
     kinds = [t for t in typing.get_args(hint) or (hint,) if t in _SCALARS]
     kw = {"type": kinds[0] if kinds else str, "default": _default(f), "help": f.metadata["help"]}
     kw.update({k: f.metadata[k] for k in ("metavar", "choices") if k in f.metadata})

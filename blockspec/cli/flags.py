@@ -9,7 +9,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Iterable
 
 from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given
-from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.config import AUTO, EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 
 if TYPE_CHECKING:
@@ -95,27 +95,54 @@ def add_speculative_args(p: argparse.ArgumentParser, names: Iterable[str] | None
     add_config_flags(p, SpeculativeConfig, names, skip, **overrides)
 
 
-def speculative_config(args: argparse.Namespace, draft: str | None = None,
-                       report_flags: Iterable[str] = ()) -> SpeculativeConfig | None:
+def speculative_config(args: argparse.Namespace, draft: str | None = None, report_flags: Iterable[str] = (),
+                       device_defaults: bool = False) -> SpeculativeConfig | None:
     """The SpeculativeConfig of the drafter (--draft, else `draft`) or of --speculative-method ngram (no drafter),
     and of the speculative flags the command registered. None without either, where any speculative flag given, or
-    any of `report_flags` (flags that report on drafting, such as --trace), is an error that names it."""
+    any of `report_flags` (flags that report on drafting, such as --trace), is an error that names it.
+    device_defaults: the commands that serve one user or many (generate, chat, serve, bench) fill the drafter's speed
+    options left unset for the device (cpu_draft_defaults)."""
     given = flags_given(args, SpeculativeConfig)
     source = given.pop("draft_model", draft)
     if "ngram_max" in given and given.get("method") != "ngram":
         raise ConfigError("--ngram-max needs --speculative-method ngram", field="ngram_max")
     if source is not None or given.get("method") == "ngram":
         try:
-            return SpeculativeConfig(draft_model=source, **given)
+            spec = SpeculativeConfig(draft_model=source, **given)
         except ConfigError as e:  # name the flag, not the field
             flags = {f.name: flag_name(f) for f in flag_fields(SpeculativeConfig)}
             raise ConfigError(f"{flags[e.field]}: {e}" if e.field in flags else str(e), field=e.field) from None
+        return cpu_draft_defaults(spec, args) if device_defaults else spec
     names = [flag_name(f) for f in flag_fields(SpeculativeConfig) if f.name in given]
     names += ["--" + r.replace("_", "-") for r in report_flags if getattr(args, r)]
     if names:
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         raise BlockspecError(f"{listed} need{'s' if len(names) == 1 else ''} --draft")
     return None
+
+
+def cpu_draft_defaults(spec: SpeculativeConfig, args: argparse.Namespace) -> SpeculativeConfig:
+    """On the CPU, a DFlash drafter's speed options the user left unset take the demo's measured settings
+    (docs/perf.md): full-block drafting (with the K the calibration picks, below block_size - 1, the drafts of the
+    block shape the drafter was trained on are accepted more often, and 16 draft rows cost little next to verifying)
+    and, where the CPU has bf16 units, the drafter in bf16 (a cheaper draft pass; the target still verifies in its
+    own dtype, so outputs do not change). Other devices and methods keep the config's own defaults."""
+    from dataclasses import replace
+
+    from blockspec.layers import cpu_packed
+    from blockspec.loading.loader import resolve_device
+    from blockspec.speculative.registry import method_of
+
+    device = resolve_device(args.device)
+    if device.type != "cpu" or spec.method in ("ngram", "draft-model") or method_of(spec) != "dflash":
+        return spec
+    changes: dict[str, bool] = {}
+    if spec.full_block_drafting is None:
+        changes["full_block_drafting"] = True
+    if (spec.cpu_bf16_draft is None and getattr(args, "tensor_parallel_size", 1) == 1
+            and getattr(args, "dtype", None) in (None, "float32") and cpu_packed.bf16_supported(device)):
+        changes["cpu_bf16_draft"] = True
+    return replace(spec, **changes)
 
 
 def add_engine_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),
@@ -138,13 +165,16 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
-def parse_schedule(text: str) -> dict[int, int]:
-    """"1:15,16:7" -> {1: 15, 16: 7}; the values are checked by EngineConfig."""
+def parse_schedule(text: str) -> dict[int, int] | str | None:
+    """"1:15,16:7" -> {1: 15, 16: 7}; "auto" (measured on this machine) as is; "off" -> None (no schedule: K
+    throughout, or the drafter's own table for this device). The values are checked by EngineConfig."""
+    if text.strip() in (AUTO, "off"):
+        return AUTO if text.strip() == AUTO else None
     try:
         return {int(b): int(k) for b, k in (item.split(":") for item in text.split(",") if item.strip())}
     except ValueError:
-        raise BlockspecError(f"--draft-len-schedule {text!r}: expected batch:K pairs separated by commas, e.g. "
-                             f"1:15,16:7,64:3") from None
+        raise BlockspecError(f"--draft-len-schedule {text!r}: expected auto, off or batch:K pairs separated by "
+                             f"commas, e.g. 1:15,16:7,64:3") from None
 
 
 # Default of --dist-timeout: how long set-up under torchrun waits for every rank to arrive. A flag default, kept here
@@ -169,10 +199,24 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags."""
+    """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags. With a
+    drafter, the draft length schedule it runs with is reported on stderr (measured on this machine unless given)."""
     from blockspec.llm import LLM
 
-    return LLM(model_source(args), speculative_config(args), device=args.device, dtype=args.dtype,
-               cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant,
-               cpu_quant=args.cpu_quant,
-               **engine_config(args))
+    llm = LLM(model_source(args), speculative_config(args, device_defaults=True), device=args.device,
+              dtype=args.dtype, cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant,
+              cpu_quant=args.cpu_quant, **engine_config(args))
+    report_schedule(llm)
+    return llm
+
+
+def report_schedule(llm: LLM) -> None:
+    """One stderr line: the draft length per batch size the engine runs with, and where it came from."""
+    import sys
+
+    if llm.calibration is not None:
+        print(llm.calibration.describe(), file=sys.stderr)
+    elif llm.engine.proposer is not None:
+        schedule = llm.engine.config.draft_len_schedule
+        given = ", ".join(f"{b}:{k}" for b, k in sorted(schedule.items())) if schedule else None
+        print(f"draft length schedule (batch:K) {given or f'K = {llm.engine.K} throughout'}", file=sys.stderr)

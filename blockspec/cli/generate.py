@@ -12,8 +12,12 @@ from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_sampling_args, add_speculative_args, add_speed_args, build_llm, engine_config,
-                                 sampling_params, speculative_config)
+                                 report_schedule, sampling_params, speculative_config)
+from blockspec.config import AUTO
 from blockspec.errors import BlockspecError
+
+# KV slots of a one-prompt engine with a drafter: room for the calibration's acceptance prompts
+CALIBRATION_KV_TOKENS = 1024
 
 # the engine, the loaders and torch are imported by run(): `generate --help` and a bad flag need none of them
 if TYPE_CHECKING:
@@ -39,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_speculative_args(p)
     add_speed_args(p)
     p.add_argument("--trace", action="store_true", help="report every step's drafts and number accepted")
-    add_engine_args(p, ["enforce_eager", "overlap", "tensor_parallel_size"])
+    add_engine_args(p, ["enforce_eager", "overlap", "tensor_parallel_size", "draft_len_schedule"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.speculative.registry import load_proposer
 
     params = sampling_params(args)
-    spec = speculative_config(args, report_flags=["trace"])
+    spec = speculative_config(args, report_flags=["trace"], device_defaults=True)
     if args.tensor_parallel_size > 1:
         return _run_tensor_parallel(args, params)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
@@ -60,11 +64,14 @@ def run(args: argparse.Namespace) -> int:
     tok = lm.tokenizer
     prompt_ids = _prompt(args, tok, lm.source.name)
     # one request through the batched engine (the same step, and on CUDA the same graphs, as every other path), with
-    # a KV pool just large enough for it
+    # a KV pool just large enough for it, or for the draft length calibration's requests (engine/calibrate.py)
     K = draft.num_draft_tokens if draft is not None else 0
     cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
+    if draft is not None:
+        cap = max(cap, CALIBRATION_KV_TOKENS)
     llm = LLM.from_loaded(lm, draft, max_num_seqs=1, num_kv_blocks=max(2, -(-cap // 16) + 1),
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, **_schedule(args))
+    report_schedule(llm)
     decoder = IncrementalDecoder(tok) if tok is not None and not args.json else None
     t0 = time.perf_counter()
     final = None
@@ -74,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     elapsed = time.perf_counter() - t0
     result = _result(tok, prompt_ids, final, elapsed, draft is not None, args.trace)
+    if draft is not None:
+        result["draft_len_schedule"] = llm.engine.config.draft_len_schedule
     _print_result(args, result, tok, streamed=decoder is not None)
     return 0
 
@@ -100,7 +109,8 @@ def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer
             raise BlockspecError(f"{args.prompts_file}:{s.line}: {e}") from None
         prompts.append(ids)
         per_params.append(dataclasses.replace(params, max_tokens=s.max_tokens) if s.max_tokens else params)
-    llm = LLM.from_loaded(lm, draft, **engine_config(args))
+    llm = LLM.from_loaded(lm, draft, **{**_schedule(args), **engine_config(args)})
+    report_schedule(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, per_params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - t0
@@ -116,6 +126,11 @@ def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer
     print(f"[{len(outs)} requests, {total} tokens in {elapsed:.2f}s: {total / max(elapsed, 1e-9):.1f} tok/s]",
           file=sys.stderr)
     return 0
+
+
+def _schedule(args: argparse.Namespace) -> dict:
+    """The draft length schedule asked (--draft-len-schedule), by default measured on this machine."""
+    return {"draft_len_schedule": engine_config(args).get("draft_len_schedule", AUTO)}
 
 
 def _run_tensor_parallel(args: argparse.Namespace, params: SamplingParams) -> int:

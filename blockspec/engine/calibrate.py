@@ -195,10 +195,11 @@ def measure_acceptance(engine: LLMEngine, prompts: list[list[int]] | None = None
         prompts = [torch.randint(0, engine.lm.config.vocab_size, (16,), generator=g).tolist() for _ in range(4)]
     saved = engine.config.draft_len_schedule
     engine.set_draft_len_schedule({1: K})
-    room = engine.pool.num_blocks * engine.pool.block_size // len(prompts) - K - 2 * engine.pool.block_size
+    # each request must fit the pool alone (the scheduler runs them one after another where they do not fit together)
+    room = min(engine.pool.num_blocks * engine.pool.block_size - engine.pool.block_size, engine.max_model_len)
     try:
         ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=ACCEPTANCE_TOKENS))
-               for p in prompts if len(p) + ACCEPTANCE_TOKENS < min(room, engine.max_model_len)]
+               for p in prompts if len(p) + ACCEPTANCE_TOKENS + K + 1 < room]
         outs = []
         while engine.has_unfinished():
             outs += [o for o in engine.step() if o.finished and o.request_id in ids]
