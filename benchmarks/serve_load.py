@@ -29,8 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str, float]:
-    """A `blockspec serve` process and its URL, once /v1/models answers; the seconds it took to be ready."""
+def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str, str, float]:
+    """A `blockspec serve` process, its URL and model name, once /v1/models answers; the seconds it took."""
     port = free_port()
     cmd = [sys.executable, "-m", "blockspec", "serve", "--port", str(port), *flags]
     t0 = time.perf_counter()
@@ -40,15 +40,17 @@ def start_server(flags: list[str], log: Path) -> tuple[subprocess.Popen, str, fl
         if proc.poll() is not None:
             raise SystemExit(f"serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return proc, url, time.perf_counter() - t0
+            models = httpx.get(f"{url}/v1/models", timeout=2)
+            if models.status_code == 200:
+                return proc, url, models.json()["data"][0]["id"], time.perf_counter() - t0
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> list[int]:
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+async def stream_one(client: httpx.AsyncClient, server: tuple[str, str], prompt: str, max_tokens: int) -> list[int]:
+    url, model = server
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     ids: list[int] = []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -60,16 +62,16 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_token
     return ids
 
 
-async def concurrent(url: str, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float]:
+async def concurrent(server: tuple[str, str], prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float]:
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(prompts))) as client:
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(stream_one(client, url, p, max_tokens) for p in prompts))
+        outs = await asyncio.gather(*(stream_one(client, server, p, max_tokens) for p in prompts))
         return list(outs), time.perf_counter() - t0
 
 
-async def one_by_one(url: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+async def one_by_one(server: tuple[str, str], prompts: list[str], max_tokens: int) -> list[list[int]]:
     async with httpx.AsyncClient(timeout=None) as client:
-        return [await stream_one(client, url, p, max_tokens) for p in prompts]
+        return [await stream_one(client, server, p, max_tokens) for p in prompts]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,16 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                     "command": "python -m benchmarks.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])}
     outputs = {}
     for mode, extra in (("plain", []), ("spec", ["--draft", args.draft])):
-        proc, url, ready_s = start_server(["--device", "cpu", *extra, *args.serve_flags], logs / f"serve_{mode}.log")
+        proc, url, model, ready_s = start_server(["--device", "cpu", *extra, *args.serve_flags],
+                                                 logs / f"serve_{mode}.log")
+        server = (url, model)
         try:
-            asyncio.run(concurrent(url, prompts[:2], 8))  # first-request costs stay out of the timing
-            outs, wall = asyncio.run(concurrent(url, prompts, args.max_tokens))
+            asyncio.run(concurrent(server, prompts[:2], 8))  # first-request costs stay out of the timing
+            outs, wall = asyncio.run(concurrent(server, prompts, args.max_tokens))
             outputs[mode] = outs
             tokens = sum(map(len, outs))
             result[mode] = {"wall_s": round(wall, 2), "tokens": tokens, "tok_s": round(tokens / wall, 1),
                             "ready_s": round(ready_s, 1)}
             if mode == "plain" and not args.no_sequential:
-                outputs["sequential"] = asyncio.run(one_by_one(url, prompts, args.max_tokens))
+                outputs["sequential"] = asyncio.run(one_by_one(server, prompts, args.max_tokens))
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -139,6 +139,9 @@ def _text(report: dict) -> str:
             lines.append(f"{mode:5s}: {r['generated_tokens']} tokens in {r['time_s']:.2f}s = "
                          f"{r['tokens_per_second']:.1f} tok/s{tau} (median of {len(r['runs_time_s'])} runs, spread "
                          f"{r['time_spread']:.0%})")
+            if r.get("draft_len_schedule"):
+                lines.append("       draft length schedule (batch:K) "
+                             + ", ".join(f"{b}:{k}" for b, k in sorted(r["draft_len_schedule"].items())))
             if missed := sum(len(c) for c in r["runs_kernel_compiles"]):
                 lines.append(f"       {missed} Triton compiles inside the timed runs: this speed is understated")
     if "speedup" in report:

@@ -3,11 +3,10 @@
 Speculation pays only where a verify step of K drafts emits more tokens per second than a plain step: that depends
 on the device, the batch size and the load options (a quantized CPU target pays for every 4 extra rows; an H100 for
 almost none), so no table measured elsewhere is safe to reuse. `auto_schedule` measures, on the engine it will
-serve with, what one decode step costs per (batch size, K) and what each draft position is worth (a short greedy
-run on shipped prompts: the acceptance of these models with these options, a quantized target or a bf16 drafter
-included), and derives the K per batch size that emits
-the most tokens per second, K = 0 where no draft pays (speculative/schedule.derive_schedule). The result is cached per
-device, models and options (BLOCKSPEC_CACHE_DIR, default ~/.cache/blockspec), so it is measured once.
+serve with, what one decode step costs per (batch size, K), takes what each draft position is worth from the
+drafter's recorded acceptance (or, without one, a short greedy run on shipped prompts), and derives the K per batch
+size that emits the most tokens per second, K = 0 where no draft pays (speculative/schedule.derive_schedule). The
+result is cached per device, models and options (BLOCKSPEC_CACHE_DIR, default ~/.cache/blockspec): measured once.
 
 Costs are measured on random prompts under the engine's own acceptance: a decode step's work is fixed by (B, K),
 whatever is accepted. Each point is the fastest of three runs of n decode steps (prefill, and the first steps of a
@@ -32,9 +31,9 @@ from blockspec.speculative.schedule import derive_schedule, expected_tokens, fin
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_LENS = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15)
 CONTEXT = 64  # prompt tokens of the calibration requests (at most; less where the pool is small)
-MIN_RUN_S = 0.15  # a timed run at least this long (more steps where one is short), for a difference above noise
+MIN_RUN_S = 0.25  # a timed run at least this long (more steps where one is short), for a difference above noise
 ACCEPTANCE_PROMPTS = (("humaneval", 1), ("gsm8k", 1), ("mtbench", 1))  # code, math, chat
-ACCEPTANCE_TOKENS = 48
+ACCEPTANCE_TOKENS = 96
 
 
 @dataclass
@@ -224,7 +223,10 @@ def auto_schedule(engine: LLMEngine, use_cache: bool = True, prompts: list[list[
     cached = json.loads(path.read_text()) if use_cache and path.is_file() else {}
     step_ms = {int(b): {int(k): v for k, v in by_k.items()} for b, by_k in cached.get("step_ms", {}).items()}
     t0 = time.perf_counter()
-    per_position = cached.get("per_position") or measure_acceptance(engine, prompts)
+    # the drafter's recorded acceptance (an evaluation set's worth of long answers) where it has one: a short run
+    # here sees few steps, mostly of an answer's less predictable start
+    per_position = (cached.get("per_position") or (prompts is None and engine.proposer.recorded_acceptance())
+                    or measure_acceptance(engine, prompts))
     per_position = (list(per_position) + [0.0] * engine.K)[: engine.K]
     missing = [b for b in batches if b not in step_ms and not _drafts_nothing_below(step_ms, per_position, b)]
     if missing:

@@ -12,7 +12,7 @@ from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import CacheShape
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.speculative.proposer import CommittedRows, DraftBatch, Proposal, Proposer, StepModels
-from blockspec.speculative.schedule import fingerprint, load_schedule
+from blockspec.speculative.schedule import fingerprint, load_schedule, recorded_acceptance
 
 
 class DFlashProposer(Proposer):
@@ -30,6 +30,10 @@ class DFlashProposer(Proposer):
     def default_draft_len_schedule(self, device: torch.device) -> dict[int, int] | None:
         source = self.draft.source
         return load_schedule(source, device) if source is not None else None
+
+    def recorded_acceptance(self) -> list[float] | None:
+        source = self.draft.source
+        return recorded_acceptance(source) if source is not None else None
 
     def identity(self) -> dict:
         return {**super().identity(), "files": fingerprint(self.draft.source), "dtype": str(self.cache_dtype),

@@ -81,6 +81,11 @@ class Proposer(ABC):
         default when it is given none."""
         return None
 
+    def recorded_acceptance(self) -> list[float] | None:
+        """p_1..p_K (the share of verify steps accepting draft i) recorded with the proposer, or None: calibration
+        measures it (engine/calibrate.py)."""
+        return None
+
     def identity(self) -> dict:
         """What a step's cost depends on besides the target: calibrations are cached under it."""
         return {"method": self.name, "K": self.num_draft_tokens, "probabilistic": self.probabilistic,

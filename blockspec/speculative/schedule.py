@@ -56,6 +56,20 @@ def load_schedule(directory: Path, device: torch.device) -> dict[int, int] | Non
         raise ConfigError(f"{path}: not a draft length schedule file ({type(e).__name__}: {e})") from None
 
 
+def recorded_acceptance(directory: Path) -> list[float] | None:
+    """The per-position acceptance recorded in a drafter directory's SCHEDULE_FILE (a property of the drafter and
+    its target measured over an evaluation set, not of the device: the first entry that has one), or None."""
+    path = directory / SCHEDULE_FILE
+    if not path.is_file():
+        return None
+    try:
+        tables = json.loads(path.read_text())
+        return next((list(map(float, t["per_position_acceptance"])) for t in tables.values()
+                     if isinstance(t, dict) and t.get("per_position_acceptance")), None)
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a draft length schedule file ({type(e).__name__}: {e})") from None
+
+
 def fingerprint(path: Path | None) -> list:
     """Name, size and modification time of a model's files: a changed checkpoint is calibrated again."""
     if path is None:

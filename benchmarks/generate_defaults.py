@@ -1,0 +1,69 @@
+"""`blockspec generate --prompt P --chat` with and without `--draft` and no other flag, as a new user runs it: one
+process per prompt (the demo's prompts), the two alternating, tokens/s as `generate --json` reports it (the
+decoding alone: load and the first run's calibration stay out), tau, and whether the outputs are equal (docs/perf.md).
+The draft length calibration is measured once before the timed runs (its cache is what a user's second run reads).
+Usage:
+  python -m benchmarks.generate_defaults [--max-tokens 128] [--draft DIR] [--out FILE] [-- GENERATE FLAGS]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from blockspec.demo import DEMO_PROMPTS
+from blockspec.loading.bundled_draft import bundled_draft_path
+
+
+def generate(prompt: str, flags: list[str]) -> tuple[dict, str]:
+    """generate --json's object for one prompt, and its stderr."""
+    cmd = [sys.executable, "-m", "blockspec", "generate", "--prompt", prompt, "--chat", "--json", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft", default=str(bundled_draft_path()))
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("flags", nargs="*", help="after --: flags for both runs (e.g. --cpu-quant auto)")
+    args = ap.parse_args(argv)
+    common = ["--max-tokens", str(args.max_tokens), *args.flags]
+    t0 = time.perf_counter()
+    _, err = generate(DEMO_PROMPTS[0], [*common, "--draft", args.draft])  # calibrates (or reads the cache)
+    calibration = next((line for line in err.splitlines() if line.startswith("draft length schedule")), None)
+    print(f"{calibration} [first run {time.perf_counter() - t0:.1f}s]", flush=True)
+    rows = []
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+        runs = {mode: generate(prompt, common if mode == "plain" else [*common, "--draft", args.draft])[0]
+                for mode in order}
+        plain, spec = runs["plain"], runs["spec"]
+        rows.append({"prompt": prompt, "plain_tok_s": plain["tokens_per_second"],
+                     "spec_tok_s": spec["tokens_per_second"], "tau": spec["mean_acceptance_length"],
+                     "tokens": len(plain["token_ids"]), "same": plain["token_ids"] == spec["token_ids"],
+                     "schedule": spec.get("draft_len_schedule")})
+        print(json.dumps(rows[-1]), flush=True)
+    plain_s = sum(r["tokens"] / r["plain_tok_s"] for r in rows)
+    spec_s = sum(r["tokens"] / r["spec_tok_s"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    result = {"plain_tok_s": round(tokens / plain_s, 2), "spec_tok_s": round(tokens / spec_s, 2),
+              "speedup": round(plain_s / spec_s, 3),
+              "median_speedup": round(statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in rows), 3),
+              "tau": round(statistics.mean(r["tau"] for r in rows), 2), "differ": sum(not r["same"] for r in rows),
+              "calibration": calibration, "max_tokens": args.max_tokens, "flags": args.flags,
+              "command": "python -m benchmarks.generate_defaults " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "rows": rows}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
