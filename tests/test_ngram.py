@@ -212,7 +212,7 @@ def test_generate_command(successor, capsys):
     capsys.readouterr()
     rc = main(["generate", "--model", str(path), "--device", "cpu", "--prompt-ids", "4,5,6,7,8,9,6,30,5",
                "--max-tokens", "8", "--speculative-method", "ngram", "--ngram-max", "1",
-               "--num-draft-tokens", "4", "--json", "--trace"])
+               "--num-draft-tokens", "4", "--json", "--trace", "--draft-len-schedule", "off"])
     result = json.loads(capsys.readouterr().out)
     assert rc == 0 and result["token_ids"] == list(range(6, 14))
     assert result["steps"][0] == {"position": 9, "draft": [30, 5, 6, 30], "num_accepted": 0}

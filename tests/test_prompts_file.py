@@ -54,7 +54,7 @@ def dirs(tmp_path_factory):
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
     capsys.readouterr()
-    rc = main(["generate", "--device", "cpu", *args])
+    rc = main(["generate", "--device", "cpu", "--draft-len-schedule", "off", *args])  # K throughout
     out, err = capsys.readouterr()
     return rc, out, err
 

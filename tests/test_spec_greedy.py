@@ -47,9 +47,13 @@ def test_cli_draft_json_and_trace(tmp_path, capsys):
     base = cli_pair(tmp_path)
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5", "--trace"]) == 0
+    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5"]) == 0
+    calibrated = json.loads(capsys.readouterr().out)  # the schedule measured here (K <= 5 per batch size)
+    assert calibrated["token_ids"] == plain["token_ids"] and 0 <= calibrated["draft_len_schedule"]["1"] <= 5
+    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5", "--trace",
+                        "--draft-len-schedule", "off"]) == 0  # K = 5 throughout
     out = json.loads(capsys.readouterr().out)
-    assert out["token_ids"] == plain["token_ids"]
+    assert out["token_ids"] == plain["token_ids"] and out["draft_len_schedule"] is None
     assert sum(out["acceptance_lengths"]) == out["num_generated_tokens"] - 1
     assert out["mean_acceptance_length"] == pytest.approx(sum(out["acceptance_lengths"]) / len(out["acceptance_lengths"]))
     steps = out["steps"]

@@ -22,6 +22,7 @@ CALIBRATION_KV_TOKENS = 1024
 # the engine, the loaders and torch are imported by run(): `generate --help` and a bad flag need none of them
 if TYPE_CHECKING:
     from blockspec.engine.outputs import RequestOutput
+    from blockspec.llm import LLM
     from blockspec.loading.loader import LoadedModel
     from blockspec.sampling import SamplingParams
     from blockspec.speculative.proposer import Proposer
@@ -80,9 +81,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(decoder.push(final.new_token_ids))
             sys.stdout.flush()
     elapsed = time.perf_counter() - t0
-    result = _result(tok, prompt_ids, final, elapsed, draft is not None, args.trace)
-    if draft is not None:
-        result["draft_len_schedule"] = llm.engine.config.draft_len_schedule
+    result = _result(tok, prompt_ids, final, elapsed, llm, args.trace)
     _print_result(args, result, tok, streamed=decoder is not None)
     return 0
 
@@ -116,7 +115,7 @@ def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer
     elapsed = time.perf_counter() - t0
     for ids, out in zip(prompts, outs):
         # time_s is the batch's wall time: the requests ran together
-        record = _result(tok, ids, out, elapsed, draft is not None, args.trace)
+        record = _result(tok, ids, out, elapsed, llm, args.trace)
         if args.json:
             print(json.dumps(record))
         else:
@@ -144,7 +143,7 @@ def _run_tensor_parallel(args: argparse.Namespace, params: SamplingParams) -> in
         elapsed = time.perf_counter() - t0
     finally:
         llm.close()
-    result = _result(llm.tokenizer, prompt, out, elapsed, llm.engine.proposer is not None)
+    result = _result(llm.tokenizer, prompt, out, elapsed, llm)
     result["tensor_parallel_size"] = args.tensor_parallel_size
     _print_result(args, result, llm.tokenizer, streamed=False)
     return 0
@@ -169,9 +168,9 @@ def _encode(tok, text: str, chat: bool) -> list[int]:
     return tok.apply_chat_template([{"role": "user", "content": text}]) if chat else tok.encode(text)
 
 
-def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, speculative: bool,
-            trace: bool = False) -> dict:
-    """One request's `generate --json` object; `speculative`: with its acceptance lengths (`trace`: and steps)."""
+def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, llm: LLM, trace: bool = False) -> dict:
+    """One request's `generate --json` object; with a drafter also its acceptance lengths, the draft length schedule
+    it ran with (`trace`: and its steps)."""
     tokens = out.token_ids
     result = {
         "text": tok.decode(tokens) if tok is not None else None,
@@ -182,9 +181,10 @@ def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, spec
         "time_s": round(elapsed, 4),
         "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
     }
-    if speculative:
+    if llm.engine.proposer is not None:
         result["acceptance_lengths"] = out.acceptance_lengths
         result["mean_acceptance_length"] = out.mean_acceptance_length
+        result["draft_len_schedule"] = llm.engine.config.draft_len_schedule
         if trace:
             result["steps"] = [s.to_dict() for s in out.steps or []]
     return result

@@ -31,7 +31,7 @@ from blockspec.speculative.schedule import derive_schedule, expected_tokens, fin
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_LENS = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15)
 CONTEXT = 64  # prompt tokens of the calibration requests (at most; less where the pool is small)
-MIN_RUN_S = 0.25  # a timed run at least this long (more steps where one is short), for a difference above noise
+MIN_RUN_S = 0.25  # a timed run at least this long (more steps where a step is short): timer noise stays small
 ACCEPTANCE_PROMPTS = (("humaneval", 1), ("gsm8k", 1), ("mtbench", 1))  # code, math, chat
 ACCEPTANCE_TOKENS = 96
 
@@ -144,9 +144,9 @@ def _step_seconds(batch: _Batch, K: int) -> float:
 
 def measure_costs(engine: LLMEngine, per_position: list[float], batches: list[int]) -> dict[int, dict[int, float]]:
     """{batch: {K: seconds per step}} for draft lengths up to the engine's K. Only the draft lengths that can still
-    win are measured: past the first draft (whose pass is paid whatever K) rates rise then fall in K (stop two
-past the best), and the best K falls as the batch grows
-    (a larger batch tries no K above the best of the one before; once K = 0 wins, larger batches draft nothing)."""
+    win are measured: past the first draft (whose pass is paid whatever K) rates rise then fall in K (stop two past
+    the best), and the best K falls as the batch grows (a larger batch tries no K above the best of the one before;
+    once K = 0 wins, larger batches draft nothing). Batches whose requests the pool cannot hold are left out."""
     pool_tokens = engine.pool.num_blocks * engine.pool.block_size
     costs: dict[int, dict[int, float]] = {}
     cap = engine.K
@@ -155,9 +155,10 @@ past the best), and the best K falls as the batch grows
         for batch in batches:
             per_request = pool_tokens // batch - 2 * engine.pool.block_size
             context = min(CONTEXT, per_request // 4)
-            if cap == 0 or context < 4:
+            room = per_request - context - engine.K - 1  # tokens each request may emit
+            if cap == 0 or context < 4 or room < 3 * (cap + 1):
                 break
-            runner = _Batch(engine, batch, context, per_request - context - engine.K - 1, seed=batch)
+            runner = _Batch(engine, batch, context, room, seed=batch)
             by_k: dict[int, float] = {}
             best, worse = None, 0  # the best K >= 1 so far (K = 0 has no draft pass to pay: compared at the end)
             for K in [k for k in DRAFT_LENS if k <= cap]:
@@ -236,7 +237,7 @@ def auto_schedule(engine: LLMEngine, use_cache: bool = True, prompts: list[list[
     schedule = _schedule(step_ms, per_position, batches)
     if missing or not cached:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"step_ms": step_ms, "per_position": per_position, "key": record,
                                    "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1, default=str) + "\n")
         tmp.replace(path)  # atomic: two processes calibrating at once never leave half a file
