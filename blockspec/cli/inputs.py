@@ -6,6 +6,7 @@ that registers one of these arguments is checked, whatever it calls the flag."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from blockspec.cli.flags import model_source
@@ -33,7 +34,11 @@ def check_path(value: str, name: str, kind: str) -> None:
 
 def check_inputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check every model source and path argument `parser` registered and `args` gives; raises BlockspecError
-    naming the argument (its first flag, or the metavar of a positional such as MODEL)."""
+    naming the argument (its first flag, or the metavar of a positional such as MODEL). Not in a rank of a torchrun
+    launch: one rank leaving before the rendezvous would leave its peers waiting; the commands there check their
+    inputs on every rank and leave together (train/launch.py)."""
+    if any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return
     if hasattr(args, "model_pos"):  # MODEL and a different --model: the first thing wrong, whether either exists
         model_source(args)
     for action in parser._actions:  # argparse has no public list of a parser's arguments
