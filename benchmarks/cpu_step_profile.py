@@ -23,7 +23,7 @@ from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import load_model
-from blockspec.models import llama
+from blockspec.models import decoder
 from blockspec.speculative.dflash import DFlashProposer
 from blockspec.sampling import SamplingParams
 
@@ -88,10 +88,10 @@ def main() -> int:
 
 
 # (part, class, method); the row-wise attention inherits __call__ (it overrides attend_sequence only)
-PARTS_TIMED = [("target forward", llama.LlamaForCausalLM, "forward"),
+PARTS_TIMED = [("target forward", decoder.DecoderForCausalLM, "forward"),
                ("  attention calls", paged_ref.PagedTargetAttention, "__call__"),
-               ("  MLPs", llama.MLP, "forward"),
-               ("  head", llama.LlamaForCausalLM, "compute_logits"),
+               ("  MLPs", decoder.MLP, "forward"),
+               ("  head", decoder.DecoderForCausalLM, "compute_logits"),
                ("draft pass (propose)", DFlashProposer, "propose"),
                ("draft context append", DFlashProposer, "append_context")]
 

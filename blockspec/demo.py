@@ -66,7 +66,7 @@ def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tup
         if show:
             sys.stdout.write(decoder.push(out.new_token_ids))
             sys.stdout.flush()
-        acc = out.acceptance_lengths
+        acc += out.new_acceptance_lengths
     return tokens, acc, time.perf_counter() - start
 
 

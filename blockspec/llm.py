@@ -109,7 +109,10 @@ class LLM:
                 for p, sp in zip(prompts, sampling_params)]
 
     def stream(self, prompts: Seq[str | list[int]], sampling_params=None, speculate: bool = True) -> Iterator[RequestOutput]:
-        """Yields RequestOutput deltas (new_token_ids) as the engine steps, until every request is finished."""
+        """Yields RequestOutput deltas as the engine steps, until every request is finished: each output carries
+        what is new since its request's previous one (new_token_ids, new_acceptance_lengths, new_steps); a request's
+        finished output also its whole record (token_ids, acceptance_lengths, steps). Accumulate the deltas: a
+        streamed output's token_ids copies the record so far at every read."""
         self._add_all(prompts, sampling_params, speculate)
         while self.engine.has_unfinished():
             yield from self.engine.step()

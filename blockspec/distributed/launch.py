@@ -81,8 +81,7 @@ class TensorParallelSession:
         self.tp = init_tp(0, n, port, resolve_device(spec.device))
         lm, draft = shard_pair(lm, draft, self.tp)
         self.lm = lm
-        self.engine = LLMEngine(lm, draft, config)
-        self.engine.runner = BroadcastingRunner(self.engine.runner, self.tp)  # type: ignore[assignment]
+        self.engine = LLMEngine(lm, draft, config, wrap_runner=lambda runner: BroadcastingRunner(runner, self.tp))
         atexit.register(self.close)
 
     def _stop_procs(self) -> None:

@@ -22,7 +22,7 @@ from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashAttention, DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
-from blockspec.models.llama import MLP, Attention, LlamaForCausalLM
+from blockspec.models.decoder import MLP, Attention, DecoderForCausalLM
 from blockspec.models.config import ModelConfig
 from blockspec.models.qkv import LinearQKV
 
@@ -75,7 +75,7 @@ def rank_config(cfg, tp: TPGroup):
     return dataclasses.replace(cfg, num_attention_heads=s.q_count, num_key_value_heads=s.kv_count)
 
 
-def shard_target(model: LlamaForCausalLM, tp: TPGroup) -> None:
+def shard_target(model: DecoderForCausalLM, tp: TPGroup) -> None:
     for layer in model.layers:
         _shard_target_attention(layer.self_attn, tp)
         _shard_mlp(layer.mlp, tp)

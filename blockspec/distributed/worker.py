@@ -19,12 +19,14 @@ import torch.distributed as dist
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.distributed.parallel_state import TPGroup, destroy_tp, init_tp
 from blockspec.distributed.shard import shard_pair
-from blockspec.engine.llm_engine import LLMEngine
+from blockspec.engine.llm_engine import build_runner
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
 from blockspec.loading.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from blockspec.speculative.acceptance import TargetAcceptance
+from blockspec.speculative.registry import as_proposer
 from blockspec.speculative.stats import SpecStats
 
 
@@ -96,6 +98,7 @@ def worker_main(rank: int, world: int, port: int, spec: ModelSpec, config: Engin
     tp = init_tp(rank, world, port, resolve_device(spec.device))
     try:
         lm, draft = shard_pair(lm, draft, tp)
-        serve(tp, LLMEngine(lm, draft, config).runner)
+        # the runner alone: its models and KV pool, no scheduler (rank 0 schedules and broadcasts every call)
+        serve(tp, build_runner(lm, as_proposer(draft), config, TargetAcceptance()))
     finally:
         destroy_tp()

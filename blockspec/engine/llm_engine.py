@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from typing import Callable
 
 from blockspec.attention.backends import get_backend
 from blockspec.config import AUTO, EngineConfig
 from blockspec.engine.decode_step import Launched
 from blockspec.engine.model_runner import ModelRunner
-from blockspec.engine.outputs import FinishReason, RequestOutput, StepTrace
+from blockspec.engine.outputs import FinishReason, Record, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, StepResult, check_prompt
+from blockspec.engine.status import EngineLimits, EngineStats
 from blockspec.errors import BlockspecError
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.pool import CacheShape, KVPool
@@ -23,16 +25,39 @@ from blockspec.speculative.proposer import Proposer, StepModels
 from blockspec.speculative.registry import as_proposer
 from blockspec.speculative.stats import SpecStats
 
+def build_runner(lm: LoadedModel, proposer: Proposer | None, config: EngineConfig,
+                 acceptance: AcceptancePolicy) -> ModelRunner:
+    """The models, their paged KV pool and the runner of their steps: what an engine runs its steps on, and all a
+    tensor-parallel rank other than the first needs (it schedules nothing)."""
+    cfg = lm.config
+    param = next(lm.model.parameters())
+    max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    blocks = config.num_kv_blocks
+    if blocks is None:
+        tokens = min(config.kv_cache_tokens, config.max_num_seqs * max_model_len)
+        blocks = max(2, -(-tokens // config.block_size))
+    target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    pool = KVPool(blocks, config.block_size, target, proposer.cache_shape if proposer else None, param.dtype,
+                  param.device, proposer.cache_dtype if proposer else None)
+    if proposer is not None:
+        proposer.bind(pool)
+    models = StepModels(lm.model, proposer, pool,
+                        get_backend(config.attention_backend, param.device, lm.batch_invariant, lm.row_invariant))
+    return ModelRunner(models, acceptance, max_model_len, cfg.vocab_size, config.enforce_eager, config.max_num_seqs,
+                       config.split_mixed_steps)
+
+
 class LLMEngine:
     def __init__(self, lm: LoadedModel, draft: Proposer | LoadedDraft | None, config: EngineConfig | None = None,
-                 acceptance: AcceptancePolicy | None = None) -> None:
+                 acceptance: AcceptancePolicy | None = None,
+                 wrap_runner: Callable[[ModelRunner], ModelRunner] | None = None) -> None:
         """draft: the proposer (speculative/registry.load_proposer), a loaded DFlash drafter, or None (plain
         decoding). acceptance: how drafts are accepted (default: the lossless TargetAcceptance; benchmarks pass
-        ForcedAcceptance)."""
+        ForcedAcceptance). wrap_runner: what the engine calls the runner through (tensor parallelism: a runner that
+        broadcasts each call to the other ranks first)."""
         self.lm = lm
         self.proposer = proposer = as_proposer(draft)
         config = config or EngineConfig()
-        cfg = lm.config
         param = next(lm.model.parameters())
         if proposer is None or config.draft_len_schedule in (None, AUTO):
             # the drafter's own measured schedule for this device, if it carries one (speculative/schedule.py); "auto"
@@ -40,23 +65,11 @@ class LLMEngine:
             schedule = proposer.default_draft_len_schedule(param.device) if proposer is not None else None
             config = replace(config, draft_len_schedule=schedule)
         self.config = config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        blocks = config.num_kv_blocks
-        if blocks is None:
-            tokens = min(config.kv_cache_tokens, config.max_num_seqs * self.max_model_len)
-            blocks = max(2, -(-tokens // config.block_size))
-        target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        self.pool = KVPool(blocks, config.block_size, target, proposer.cache_shape if proposer else None, param.dtype,
-                           param.device, proposer.cache_dtype if proposer else None)
-        if proposer is not None:
-            proposer.bind(self.pool)
-        self.blocks = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+        runner = build_runner(lm, proposer, config, acceptance or TargetAcceptance())
+        self.runner = wrap_runner(runner) if wrap_runner is not None else runner
+        self.pool, self.max_model_len = runner.models.pool, runner.max_model_len
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
-        models = StepModels(lm.model, proposer, self.pool,
-                            get_backend(config.attention_backend, param.device, lm.batch_invariant,
-                                        lm.row_invariant))
-        self.runner = ModelRunner(models, acceptance or TargetAcceptance(), self.max_model_len, cfg.vocab_size,
-                                  config.enforce_eager, config.max_num_seqs, config.split_mixed_steps)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -103,6 +116,14 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.abort(seq)
             self._aborted.append(seq)
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.lm.tokenizer, self.lm.config.vocab_size, self.max_model_len, self.pool.num_blocks,
+                            self.pool.num_blocks * self.pool.block_size, self.K)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
+                           self.pool.num_blocks - self.blocks.num_free, self.num_overlapped_steps)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None  # a step in flight is collected by step()
@@ -212,20 +233,22 @@ class LLMEngine:
         return [r.seq for r in results]
 
     def collect_outputs(self, seqs: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
+        """An output per request with something new: what is new since its previous output (O(new), never its
+        whole history), its record shared with it; a finished request's record copied once, then forgotten."""
         seqs, self._aborted = seqs + self._aborted, []
         outs = []
         for seq in seqs:
-            if finished_only and not seq.finished:
+            if seq.final_sent or (finished_only and not seq.finished):
                 continue
-            new = seq.output_ids[seq.num_streamed:]
-            if seq.final_sent or (not new and not seq.finished):
+            if len(seq.output_ids) == seq.num_streamed and not seq.finished:
                 continue
-            seq.num_streamed, seq.final_sent = len(seq.output_ids), seq.finished
+            lengths, trace, s = seq.stats.acceptance_lengths, seq.trace, seq.num_steps_streamed
+            outs.append(RequestOutput(
+                seq.request_id, seq.prompt_ids, seq.output_ids[seq.num_streamed:], seq.finished, seq.finish_reason,
+                lengths[s:], trace[s:], Record.of(seq.output_ids, lengths, trace, owned=seq.finished),
+                seq.num_preemptions, seq.error,
+            ))
+            seq.num_streamed, seq.num_steps_streamed, seq.final_sent = len(seq.output_ids), len(trace), seq.finished
             if seq.finished:  # the caller has everything: the engine forgets the request
                 self.seqs.pop(seq.request_id, None)
-            outs.append(RequestOutput(
-                seq.request_id, seq.prompt_ids, list(seq.output_ids), new, seq.finished, seq.finish_reason,
-                list(seq.stats.acceptance_lengths), seq.stats.mean_acceptance_length, seq.num_preemptions,
-                list(seq.trace), seq.error,
-            ))
         return outs

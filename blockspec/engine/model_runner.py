@@ -32,7 +32,7 @@ def _slots(seq: Sequence, start: int, n: int, block_size: int) -> list[int]:
 class ModelRunner:
     def __init__(self, models: StepModels, acceptance: AcceptancePolicy, max_model_len: int, vocab_size: int,
                  enforce_eager: bool = False, max_num_seqs: int = 32, split_mixed: bool = False) -> None:
-        self.models, self.acceptance, self.vocab_size = models, acceptance, vocab_size
+        self.models, self.acceptance, self.vocab_size, self.max_model_len = models, acceptance, vocab_size, max_model_len
         self.device = models.pool.k.device
         self.split_mixed = split_mixed  # EngineConfig.split_mixed_steps
         capture = self.device.type == "cuda" and models.backend.capturable and not enforce_eager

@@ -45,6 +45,7 @@ class Sequence:
     num_preemptions: int = 0
     trace: list[StepTrace] = field(default_factory=list)
     num_streamed: int = 0  # output tokens already handed to the caller
+    num_steps_streamed: int = 0  # verify steps (acceptance lengths, trace) already handed to the caller
     final_sent: bool = False
     error: str | None = None
 

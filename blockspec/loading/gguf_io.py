@@ -21,8 +21,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType as 
 from gguf.quants import dequantize
 
 from blockspec.errors import ModelLoadError
+from blockspec.models.registry import gguf_architectures
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
 _SCALARS = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I", VT.INT32: "i",
             VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q", VT.FLOAT64: "d"}
@@ -198,9 +198,10 @@ def read_gguf(path: str | Path) -> GGUFModel:
     """Parse the header, validate every tensor up front (names, types, bounds) and build the HF config."""
     path = Path(path)
     meta, tinfo = _parse(path)
+    archs = gguf_architectures()  # llama.cpp's name -> HF's, as each model family's file declares it
     arch = _get(meta, "general.architecture", path)
-    if arch not in _ARCHS:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
+    if arch not in archs:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(archs)})")
     heads = int(_get(meta, f"{arch}.attention.head_count", path))
     kv_heads = int(_get(meta, f"{arch}.attention.head_count_kv", path, heads))
     hidden = int(_get(meta, f"{arch}.embedding_length", path))
@@ -237,7 +238,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
                 raise ModelLoadError(f"{path}: tensor {name!r} has {shape[0]} rows, expected {permute}x{head_dim}")
         infos.append(_TensorInfo(name, hf, shape, qtype, offset, nbytes, permute))
     config = {
-        "architectures": [_ARCHS[arch]],
+        "architectures": [archs[arch]],
         "model_type": arch,
         # The embedding rows, not the token list: the weights must fit the config, and some models pad one.
         "vocab_size": int(tinfo["token_embd.weight"][0][-1]),

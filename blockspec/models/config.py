@@ -1,4 +1,6 @@
-"""ModelConfig: the HF config.json fields our decoder needs, read in transformers-4 and -5 styles."""
+"""ModelConfig: the HF config.json fields every model family reads, in transformers-4 and -5 styles. A field only one
+family knows (Llama's attention_bias, say) is read by that family's file (models/llama.py: `layer_traits`) through
+`ModelConfig.flag`, so adding a family adds no field here."""
 
 from __future__ import annotations
 
@@ -54,12 +56,21 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v biases (Qwen2 always, Llama when configured)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     dtype: torch.dtype
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the whole config.json, for the family's own fields
+    source: str = field(default="config.json", repr=False, compare=False)  # the file, named in errors
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        """A true / false config.json field that one family reads (`layer_traits`); absent or null -> `default`. A
+        value of another type fails naming the field rather than being taken for its truth value."""
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        raise ModelLoadError(f"{self.source}: field {key!r} must be true or false, got {value!r}")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -92,10 +103,9 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
             dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype"), torch.float32),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=cfg,
+            source=source,
         )

@@ -20,7 +20,7 @@ from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.base import PagedDest, packed_shard_sizes
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.models.dflash_io import DraftHead
-from blockspec.models.llama import MLP
+from blockspec.models.decoder import MLP
 from blockspec.models.qkv import KV, ContextKV, LinearQKV, QKVProjection
 
 
@@ -73,7 +73,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    # checkpoint names -> (our packed parameter, shard index), as the target's (models/llama.py)
+    # checkpoint names -> (our packed parameter, shard index), as the target's (models/decoder.py)
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 

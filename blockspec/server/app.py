@@ -72,10 +72,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     """An ASGI app serving `engine` under `model_name`; the engine thread runs for the app's lifespan. Request bodies
     over `max_request_bytes` get 413; a Host header whose name is not in `allowed_hosts` ("*": any) gets 400. Its
     `.state` is the ServingState (engine loop, limits, metrics)."""
-    tok = engine.lm.tokenizer
-    limits = ModelLimits(model_name, tok, engine.lm.config.vocab_size, engine.max_model_len,
-                         engine.pool.num_blocks * engine.pool.block_size, engine.K + 1)
-    metrics = Metrics(engine.K, engine.pool.num_blocks)
+    fixed = engine.limits()
+    limits = ModelLimits(model_name, fixed.tokenizer, fixed.vocab_size, fixed.max_model_len, fixed.kv_capacity,
+                         fixed.max_draft_tokens + 1)
+    metrics = Metrics(fixed.max_draft_tokens, fixed.num_kv_blocks)
     state = ServingState(EngineLoop(engine, metrics), limits, metrics)
     created = int(time.time())
 

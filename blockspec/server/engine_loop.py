@@ -210,9 +210,8 @@ class EngineLoop:
                     log.exception("abort of %s after a failed step failed", rid)
                 self._post(stream.queue.put_nowait, internal_error(stream.request_id))
             return bool(owners)
-        sched = self.engine.scheduler
-        used = self.engine.pool.num_blocks - self.engine.blocks.num_free
-        self.metrics.record_step(time.perf_counter() - t0, len(sched.waiting), len(sched.running), used)
+        stats = self.engine.stats()
+        self.metrics.record_step(time.perf_counter() - t0, stats.waiting, stats.running, stats.kv_blocks_used)
         for out in outputs:
             owner = self._owners.pop(out.request_id, None) if out.finished else self._owners.get(out.request_id)
             if owner is None or out.finish_reason is FinishReason.ERROR:  # nobody will read it: counted here

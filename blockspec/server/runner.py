@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from blockspec.engine.outputs import FinishReason
+from blockspec.engine.outputs import FinishReason, StepTrace
 from blockspec.server.detok import ChoiceText
 from blockspec.server.engine_loop import EngineLoop, RequestStream
 from blockspec.server.metrics import Metrics
@@ -57,7 +57,9 @@ class _Request:
     def __init__(self, state: ServingState, prepared: Prepared, stream: RequestStream) -> None:
         self.state, self.prepared, self.stream = state, prepared, stream
         self.texts = [ChoiceText(state.limits.tokenizer, prepared.stop) for _ in prepared.choices]
+        # per choice, the outputs' deltas accumulated: tokens emitted per verify step and the steps themselves
         self.acceptance: list[list[int]] = [[] for _ in prepared.choices]
+        self.steps: list[list[StepTrace]] = [[] for _ in prepared.choices]
         self.reasons: list[FinishReason | None] = [None] * len(prepared.choices)
 
     async def updates(self) -> AsyncIterator[Update]:
@@ -76,17 +78,18 @@ class _Request:
                 delta += text.finish()  # may complete a stop string with the last token's held-back bytes
             kept = len(text.token_ids) - seen
             metrics.count_tokens(kept, discarded=len(out.new_token_ids) - kept)
-            self.acceptance[pos] = out.acceptance_lengths
+            self.acceptance[pos] += out.new_acceptance_lengths
+            self.steps[pos] += out.new_steps
             if text.stopped:
                 reason = FinishReason.STOP
-                self.acceptance[pos] = _acceptance_upto(out.acceptance_lengths, len(text.token_ids))
+                self.acceptance[pos] = _acceptance_upto(self.acceptance[pos], len(text.token_ids))
                 self.stream.settled.add(pos)
                 self.state.engine_loop.abort(self.stream, pos)
                 metrics.record_finished(len(out.prompt_ids), self.acceptance[pos],
-                                        (out.steps or [])[:len(self.acceptance[pos])])
+                                        self.steps[pos][:len(self.acceptance[pos])])
             elif out.finished:
                 reason = out.finish_reason
-                metrics.record_finished(len(out.prompt_ids), out.acceptance_lengths, out.steps or [])
+                metrics.record_finished(len(out.prompt_ids), self.acceptance[pos], self.steps[pos])
             if reason is not None:
                 self.reasons[pos] = reason
                 metrics.count_finish(reason)  # as answered: a stop string is "stop", whatever the engine

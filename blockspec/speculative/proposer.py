@@ -21,7 +21,7 @@ from blockspec.kv.pool import CacheShape, KVPool
 
 @dataclass
 class StepModels:
-    target: torch.nn.Module  # the target model (models/llama.py): forward, embed_tokens, lm_head
+    target: torch.nn.Module  # the target model (models/decoder.py): forward, embed_tokens, lm_head
     proposer: Proposer | None  # None: plain decoding
     pool: KVPool
     backend: AttentionBackend

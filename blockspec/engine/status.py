@@ -1,0 +1,32 @@
+"""What an engine tells the code around it (the server, metrics, the commands) without handing out its parts: its
+fixed limits and its state between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blockspec.loading.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Fixed for the engine's life."""
+
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int  # the context a request may fill (prompt + completion)
+    num_kv_blocks: int
+    kv_capacity: int  # tokens the KV pool holds (num_kv_blocks x block_size)
+    max_draft_tokens: int  # K: the most drafts one step verifies per request (0: plain decoding)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine between two steps."""
+
+    waiting: int  # requests not yet admitted
+    running: int  # requests admitted (prefilling or decoding)
+    kv_blocks_used: int  # KV blocks held by requests or cached prefixes in use
+    num_overlapped_steps: int  # steps enqueued before the previous one's tokens were read (overlap)
