@@ -30,7 +30,7 @@ from blockspec.loading.loader import LoadedModel, instantiate
 from blockspec.models.config import ModelConfig
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
-from blockspec.sampling import SamplingParams, SamplingRows
+from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import ForcedAcceptance
 from blockspec.speculative.schedule import derive_schedule
 
@@ -82,7 +82,7 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
     buf.start.fill_(ctx)
     buf.valid.fill_(True)
     buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
-    rows = SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, True, False, False)
+    rows = buf.sampling  # greedy rows (SamplingRows.allocate)
     with torch.inference_mode():
         dec.replay(buf, rows, K)  # warm-up + capture
         graph = time_ms(lambda: dec.replay(buf, rows, K), 30)

@@ -168,8 +168,10 @@ class EngineConfig:
     max_num_seqs: int = field(default=32, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(default=1024, metadata={
         "help": "rows per target forward: prefill chunk tokens + verify rows"})
-    # target and draft context share pages
-    block_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    # target and draft context share pages. Flag --kv-block-size: a "KV block" as in vLLM's paged attention and our
+    # own --num-kv-blocks, and not the DFlash drafter's block (--draft-block-size); --block-size until the next release
+    block_size: int = field(default=16, metadata={"flag": "--kv-block-size", "deprecated": ("--block-size",),
+                                                  "help": "tokens per KV cache block (a page of the KV pool)"})
     # None: enough for max_num_seqs full-length requests, capped by kv_cache_tokens
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks (default: from --kv-cache-tokens)"})

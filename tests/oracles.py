@@ -19,7 +19,7 @@ from blockspec.engine.outputs import StepTrace
 from blockspec.engine.sequence import check_prompt
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
-from blockspec.sampling import SamplingParams, processed_probs, race, sample
+from blockspec.sampling import SamplingParams, processed_probs_for, race, sample
 from blockspec.speculative.stats import SpecStats
 from blockspec.speculative.verify import accept_probabilistic, accept_tokens
 from dense_cache import DenseCausalAttention, DenseDraftAttention, DenseKVCache
@@ -118,7 +118,7 @@ class DFlashSession:
         p = self.params
         if spec.probabilistic_drafting and not p.greedy:
             logits = self.draft.model.compute_logits(hidden[1:self.K + 1], self.lm.model.lm_head)
-            q = processed_probs(logits, p.temperature, p.top_k, p.top_p)
+            q = processed_probs_for(logits, p)
             noise = rng.exponential(self._seeds(self.K), positions[1:self.K + 1], rng.STREAM_DRAFT, q.shape[-1])
             return race(q, noise), q
         return self.draft.model.greedy_drafts(hidden[1:self.K + 1], self.lm.model.lm_head), None
@@ -132,7 +132,7 @@ class DFlashSession:
         if q is None:  # the target's own sample (or argmax) at every row; noise keyed by the sampled position
             tokens, n = accept_tokens(drafts[None], sample(out.logits, p, self.seed, positions + 1)[None])
         else:
-            probs = processed_probs(out.logits, p.temperature, p.top_k, p.top_p)
+            probs = processed_probs_for(out.logits, p)
             u = rng.uniform(self._seeds(self.K), positions[1:], rng.STREAM_ACCEPT, 1)
             noise = rng.exponential(self._seeds(1), positions[:1], rng.STREAM_RESIDUAL, probs.shape[-1])
             tokens, n = accept_probabilistic(drafts[None], probs[None], q[None], u.T, noise)

@@ -28,7 +28,7 @@ SPECULATIVE = {"num_draft_tokens": (["--num-draft-tokens", "3"], 3),
                "draft_vocab_size": (["--draft-vocab-size", "64"], 64)}
 ENGINE = {"max_num_seqs": (["--max-num-seqs", "3"], 3),
           "max_num_batched_tokens": (["--max-num-batched-tokens", "256"], 256),
-          "block_size": (["--block-size", "8"], 8),
+          "block_size": (["--kv-block-size", "8"], 8),
           "num_kv_blocks": (["--num-kv-blocks", "40"], 40),
           "kv_cache_tokens": (["--kv-cache-tokens", "512"], 512),
           "max_model_len": (["--max-model-len", "100"], 100),

@@ -153,7 +153,7 @@ def test_cli_end_to_end(target, tmp_path, capsys):
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text('{"prompt_ids": [3, 4, 5]}\n{"prompt_ids": [7, 8]}\n{"prompt_ids": [9]}\n')
     args = ["train-draft", "--target", str(root), "--data", str(data), "--out", str(out), "--draft-layers", "1",
-            "--block-size", "4", "--intermediate-size", "32", "--num-anchors", "8", "--batch-anchors", "16",
+            "--draft-block-size", "4", "--intermediate-size", "32", "--num-anchors", "8", "--batch-anchors", "16",
             "--eval-prompts", str(prompts), "--eval-num-prompts", "2", "--eval-max-tokens", "6", "--device", "cpu",
             "--walk-weight", "0.5", "--prefix-weight", "0.5", "--opening-weight", "1", "--opening-tokens", "4",
             "--epochs", "3", "--max-steps", "3"]
@@ -208,23 +208,23 @@ def test_init_grows_the_drafter_by_identity_layers(target, tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--num-anchors", "64", "--batch-anchors", "32"],
      "batch_anchors=32 is smaller than num_anchors=64: one sequence's blocks would not fit in a micro-batch"),
-    (["--init", "x", "--block-size", "4"],
-     "--block-size cannot be combined with --init (the drafter's shape comes from x/config.json; only --draft-layers "
-     "may add layers)"),
+    (["--init", "x", "--draft-block-size", "4"],
+     "--draft-block-size cannot be combined with --init (the drafter's shape comes from x/config.json; only "
+     "--draft-layers may add layers)"),
     (["--target-layer-ids", "0,7"], "train-draft: target_layer_ids=[0, 7] contains 7, but the target has only 3 "
                                     "layers (ids are 0-based)"),
     (["--target-layer-ids", "1,1"], "train-draft: target_layer_ids=[1, 1] must be distinct non-negative layer indices"),
     (["--target-layer-ids", "2,-1"], "train-draft: target_layer_ids=[2, -1] must be distinct non-negative layer "
                                      "indices"),
-    (["--block-size", "1"], "--block-size=1 must be >= 2 (slot 0 holds the given token)"),
+    (["--draft-block-size", "1"], "--draft-block-size=1 must be >= 2 (slot 0 holds the given token)"),
     (["--lr", "0"], "lr=0.0 must be > 0"),
     (["--walk-weight", "-1"], "walk_weight=-1.0 must be >= 0"),
     (["--prefix-weight", "1.5"], "prefix_weight=1.5 must be in [0, 1]"),
     (["--opening-weight", "-0.5"], "opening_weight=-0.5 must be >= 0"),
     (["--opening-tokens", "0"], "opening_tokens=0 must be an integer >= 1"),
     (["--resume"], "checkpoint.pt does not exist"),
-    (["--max-seq-len", "4", "--block-size", "8"], "no usable training sequence: each needs two consecutive response "
-                                                   "(loss_mask) tokens within --max-seq-len 4"),
+    (["--max-seq-len", "4", "--draft-block-size", "8"], "no usable training sequence: each needs two consecutive "
+                                                         "response (loss_mask) tokens within --max-seq-len 4"),
 ])
 def test_cli_rejects_bad_input(target, tmp_path, capsys, extra, message):
     root, _ = target
@@ -242,12 +242,12 @@ def test_cli_trains_on_several_data_directories(target, tmp_path, capsys):
     write_shards(b, tmp_path / "b")
     assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "a"), str(tmp_path / "b"), "--out",
                  str(tmp_path / "o"), "--device", "cpu", "--eval-num-prompts", "0", "--draft-layers", "1",
-                 "--block-size", "4", "--max-steps", "1"]) == 0
+                 "--draft-block-size", "4", "--max-steps", "1"]) == 0
     data = json.loads((tmp_path / "o" / "train_report.json").read_text())["data"]
     assert data["sequences"] == 7 and data["tokens"] == sum(len(s.input_ids) for s in a + b)
     # resuming on other data would continue a plan made for different sequences
     assert main(["train-draft", "--target", str(root), "--data", str(tmp_path / "a"), "--out", str(tmp_path / "o"),
-                 "--device", "cpu", "--eval-num-prompts", "0", "--draft-layers", "1", "--block-size", "4",
+                 "--device", "cpu", "--eval-num-prompts", "0", "--draft-layers", "1", "--draft-block-size", "4",
                  "--max-steps", "2", "--resume"]) == 2
     assert "cannot resume on other data: the checkpoint trained on 7 sequences" in capsys.readouterr().err
 

@@ -25,7 +25,7 @@ from launch_utils import free_port, rank_env, ranks_by_hand, torchrun, torchrun_
 from test_train_common import MASK, random_sequences, tiny_target
 
 TOL = 1e-5
-TRAIN = ["train-draft", "--draft-layers", "2", "--block-size", "4", "--intermediate-size", "32",
+TRAIN = ["train-draft", "--draft-layers", "2", "--draft-block-size", "4", "--intermediate-size", "32",
          "--target-layer-ids", "0,2", "--mask-token-id", str(MASK), "--num-anchors", "6", "--batch-anchors", "24",
          "--max-seq-len", "36", "--epochs", "3", "--lr", "1e-3", "--grad-accum", "4", "--log-every", "1",
          "--val-fraction", "0.1", "--eval-num-prompts", "0", "--seed", "1", "--device", "cpu"]

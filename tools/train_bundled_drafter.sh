@@ -68,7 +68,7 @@ print(sum(json.load(open(f"{d}/manifest.json"))["num_tokens"] for d in sys.argv[
   EPOCHS=$(( e < 1 ? 1 : e > 6 ? 6 : e ))
   echo "data: $tokens tokens; TRAIN_TOKENS=$TRAIN_TOKENS -> $EPOCHS epoch(s)"
 fi
-shape=(--draft-layers "${LAYERS:-3}" --block-size 16 ${INTERMEDIATE:+--intermediate-size "$INTERMEDIATE"}
+shape=(--draft-layers "${LAYERS:-3}" --draft-block-size 16 ${INTERMEDIATE:+--intermediate-size "$INTERMEDIATE"}
        ${TAPS:+--target-layer-ids "$TAPS"})
 [ -n "${INIT:-}" ] && shape=(--init "$INIT" ${LAYERS:+--draft-layers "$LAYERS"})
 resume=""

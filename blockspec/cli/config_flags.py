@@ -2,14 +2,18 @@
 the metadata names another ("flag"), parsed into the field's name. A bool flag turns its field away from the
 default (store_true, or store_false for a field that defaults to True); a `bool | None` field gets --x and --no-x
 (None when neither is given); int, float and str fields take a value of
-that type; a field of any other type takes its text, which the config's converter parses."""
+that type; a field of any other type takes its text, which the config's converter parses. Old spellings of a flag
+("deprecated": a tuple of them) still set its field for one release, left out of --help, with a warning."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from typing import Any, Iterable
+
+from blockspec.errors import ConfigError
 
 _SCALARS = (int, float, str)
 
@@ -54,7 +58,38 @@ def add_config_flags(p: argparse._ActionsContainer, cls: type, names: Iterable[s
         flag = kw.pop("flag", flag_name(f))
         if "action" not in kw:  # shown as argparse shows a flag's own name, not as the field's
             kw.setdefault("metavar", flag[2:].replace("-", "_").upper())
-        p.add_argument(flag, dest=f.name, **kw)
+        action = p.add_argument(flag, dest=f.name, **kw)
+        for old in f.metadata.get("deprecated", ()):
+            add_deprecated_alias(p, old, action)
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag, kept for one release: it sets the flag's field as the flag does, and says once on
+    stderr which flag to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, use: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.use, self.warned = use, False
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if not self.warned:
+            print(f"blockspec: warning: {option_string} is deprecated, use {self.use}", file=sys.stderr)
+            self.warned = True
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(p: argparse._ActionsContainer, old: str, new: argparse.Action) -> None:
+    """`old` as a deprecated spelling of the value flag `new` (what add_argument returned): the same field, type
+    and choices, hidden from --help, a warning when used."""
+    p.add_argument(old, action=DeprecatedAlias, use=new.option_strings[0], dest=new.dest, type=new.type,
+                   choices=new.choices, metavar=new.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def name_the_flag(e: ConfigError, cls: type) -> ConfigError:
+    """`e`, about a field of `cls`, to start with the field's flag where it has one: the user typed the flag."""
+    names = {f.name: flag_name(f) for f in flag_fields(cls)}
+    return ConfigError(f"{names[e.field]}: {e}", field=e.field) if e.field in names else e
 
 
 def flags_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:

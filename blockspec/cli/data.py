@@ -32,7 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_max_tokens(p, 1024, "longest response generated per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip prompts longer than this (templated)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts read")
-    add_sampling_args(p, top_k_p=False, seed=0, seed_help="sampling seed of prompt i is seed + i")
+    add_sampling_args(p, filters=False, seed=0, seed_help="sampling seed of prompt i is seed + i")
     add_max_batch_size(p, None, "requests generated together (default: 256 on CUDA, 8 on CPU)")
     p.add_argument("--first-turn-only", action="store_true", help="only the first user turn of each conversation")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

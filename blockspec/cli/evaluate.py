@@ -21,7 +21,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, choices=EVAL_SETS)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     add_max_tokens(p, 256, "new tokens per prompt")
-    add_sampling_args(p, top_k_p=False, seed=0, seed_help="sampling seed of prompt i is seed + i (temperature > 0)")
+    add_sampling_args(p, filters=False, seed=0, seed_help="sampling seed of prompt i is seed + i (temperature > 0)")
     add_speed_args(p)
     add_max_batch_size(p, None, "requests decoded together (default: 1 on CPU, single-stream speed; 8 on CUDA)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

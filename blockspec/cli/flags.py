@@ -1,5 +1,5 @@
 """The flag groups the commands share, each flag declared once: the model source, where it runs (--device, --dtype),
-sampling, the target's speed options, and the speculative and engine groups, drawn from the fields of
+the target's speed options, and the sampling, speculative and engine groups, drawn from the fields of SamplingParams,
 SpeculativeConfig and EngineConfig (config_flags.py). Each group has one function from the parsed flags back to what
 it configures, and build_llm puts them together."""
 
@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any, Iterable
 
-from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given
+from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given, name_the_flag
 from blockspec.config import AUTO, EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
+from blockspec.sampling import SamplingParams  # no torch: it imports torch where it samples
 
 if TYPE_CHECKING:
     from blockspec.llm import LLM
-    from blockspec.sampling import SamplingParams
 
 
 def add_model_arg(p: argparse.ArgumentParser, flag: str = "--model", positional: bool = False) -> None:
@@ -46,22 +46,22 @@ def add_max_tokens(p: argparse.ArgumentParser, default: int, help: str | None = 
     p.add_argument("--max-tokens", type=int, default=default, help=help)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, top_k_p: bool = True, seed: int | None = None,
+def add_sampling_args(p: argparse.ArgumentParser, filters: bool = True, seed: int | None = None,
                       seed_help: str | None = None) -> None:
-    """--temperature, --seed and (unless `top_k_p` is False) --top-k, --top-p."""
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    if top_k_p:
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=seed, help=seed_help)
+    """The flags of the SamplingParams fields that declare one (blockspec/sampling.py): --temperature, --seed (default
+    `seed`) and, unless `filters` is False, the filters of the distribution (--top-k, --top-p, --min-p)."""
+    add_config_flags(p, SamplingParams, None if filters else ["temperature", "seed"],
+                     seed={"default": seed, **({"help": seed_help} if seed_help else {})})
 
 
 def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
-    """The SamplingParams of the sampling flags and --max-tokens (or `max_tokens`); raises for bad values."""
-    from blockspec.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          max_tokens=args.max_tokens if max_tokens is None else max_tokens)
+    """The SamplingParams of the sampling flags the command registered and --max-tokens (or `max_tokens`); a bad
+    value raises one line that names its flag."""
+    given = {f.name: getattr(args, f.name) for f in flag_fields(SamplingParams) if hasattr(args, f.name)}
+    try:
+        return SamplingParams(**given, max_tokens=args.max_tokens if max_tokens is None else max_tokens)
+    except ConfigError as e:
+        raise name_the_flag(e, SamplingParams) from None
 
 
 def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True, cpu_quant: bool = True) -> None:
@@ -109,9 +109,8 @@ def speculative_config(args: argparse.Namespace, draft: str | None = None, repor
     if source is not None or given.get("method") == "ngram":
         try:
             spec = SpeculativeConfig(draft_model=source, **given)
-        except ConfigError as e:  # name the flag, not the field
-            flags = {f.name: flag_name(f) for f in flag_fields(SpeculativeConfig)}
-            raise ConfigError(f"{flags[e.field]}: {e}" if e.field in flags else str(e), field=e.field) from None
+        except ConfigError as e:
+            raise name_the_flag(e, SpeculativeConfig) from None
         return cpu_draft_defaults(spec, args) if device_defaults else spec
     names = [flag_name(f) for f in flag_fields(SpeculativeConfig) if f.name in given]
     names += ["--" + r.replace("_", "-") for r in report_flags if getattr(args, r)]
@@ -147,7 +146,7 @@ def cpu_draft_defaults(spec: SpeculativeConfig, args: argparse.Namespace) -> Spe
 
 def add_engine_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),
                     **overrides: dict[str, Any]) -> None:
-    """The EngineConfig flags (--max-num-seqs, --block-size, ...): every one, or `names`, less `skip`."""
+    """The EngineConfig flags (--max-num-seqs, --kv-block-size, ...): every one, or `names`, less `skip`."""
     add_config_flags(p, EngineConfig, names, skip, **overrides)
 
 

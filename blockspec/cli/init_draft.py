@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from blockspec.cli.config_flags import add_deprecated_alias
 from blockspec.cli.flags import add_model_arg
 
 
@@ -11,7 +12,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p, "--target")
     p.add_argument("--out", required=True, help="output directory (z-lab DFlash checkpoint format)")
     p.add_argument("--draft-layers", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    block = p.add_argument("--draft-block-size", type=int, default=16, metavar="B",
+                           help="the drafter's block: the given token and B - 1 drafts (default 16)")
+    add_deprecated_alias(p, "--block-size", block)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
@@ -22,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.train.export import init_draft
 
     src = resolve_source(args.target)
-    out = init_draft(ModelConfig.from_hf(src.config, str(src.path)), args.out, args.draft_layers, args.block_size,
+    out = init_draft(ModelConfig.from_hf(src.config, str(src.path)), args.out, args.draft_layers, args.draft_block_size,
                      args.mask_token_id, args.seed)
     print(f"wrote a randomly initialized DFlash drafter to {out}")
     return 0

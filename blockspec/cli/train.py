@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from blockspec.cli.config_flags import add_config_flags, flags_given
+from blockspec.cli.config_flags import add_config_flags, add_deprecated_alias, flags_given
 from blockspec.cli.flags import add_device_args, add_dist_timeout_arg, add_model_arg
 from blockspec.train.config import TrainConfig
 
@@ -43,7 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init", default=None, metavar="DIR", help="continue from an exported drafter")
     g.add_argument("--draft-layers", type=int, default=None, help="draft decoder layers (default 5); with --init, "
                    "grows the drafter to N layers, the new ones starting as the identity (it drafts as before)")
-    g.add_argument("--block-size", type=int, default=None, help="block size B (default 16)")
+    block = g.add_argument("--draft-block-size", type=int, default=None, metavar="B",
+                           help="the drafter's block: the given token and B - 1 drafts (default 16)")
+    add_deprecated_alias(g, "--block-size", block)
     g.add_argument("--target-layer-ids", type=_ids, default=None, help="tapped target layers, e.g. 1,8,14,20,27 "
                    "(default: 5 spread over the depth)")
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
@@ -83,13 +85,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**flags_given(args, TrainConfig))
     if args.eval_num_prompts is not None and args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
-    shape_flags = {"--block-size": args.block_size,
+    shape_flags = {"--draft-block-size": args.draft_block_size,
                    "--target-layer-ids": args.target_layer_ids, "--intermediate-size": args.intermediate_size,
                    "--mask-token-id": args.mask_token_id}
     if args.init is not None and any(v is not None for v in shape_flags.values()):
         given = [k for k, v in shape_flags.items() if v is not None]
         raise BlockspecError(f"{', '.join(given)} cannot be combined with --init (the drafter's shape comes from "
                              f"{args.init}/config.json; only --draft-layers may add layers)")
+    if args.draft_block_size is not None and args.draft_block_size < 2:
+        raise BlockspecError(f"--draft-block-size={args.draft_block_size} must be >= 2 (slot 0 holds the given token)")
     # read after the target has loaded (_train): a missing one should not wait for it
     for path in args.prompts or ():
         check_path(path, "--prompts", "path")
@@ -173,8 +177,9 @@ def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig,
         setup = draft_from(lm, args.init, device, args.draft_layers, args.seed)
     else:
         shape = DraftShape(**{k: v for k, v in {
-            "num_layers": args.draft_layers, "block_size": args.block_size, "target_layer_ids": args.target_layer_ids,
-            "intermediate_size": args.intermediate_size, "mask_token_id": args.mask_token_id}.items() if v is not None})
+            "num_layers": args.draft_layers, "block_size": args.draft_block_size,
+            "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size,
+            "mask_token_id": args.mask_token_id}.items() if v is not None})
         setup = new_draft(lm, shape, args.seed, device)
     return setup, prepare(seqs, cfg, " + ".join(map(str, data_dirs)))
 

@@ -42,10 +42,7 @@ class DecodeBuffers:
     start: torch.Tensor  # [B] int64: position of the bonus (= tokens already in the KV)
     valid: torch.Tensor  # [B] bool: False for padding rows
     block_tables: torch.Tensor  # [B, W] int64
-    temperature: torch.Tensor  # [B] fp32
-    top_k: torch.Tensor  # [B] int64
-    top_p: torch.Tensor  # [B] fp32
-    seeds: torch.Tensor  # [B] int64
+    sampling: SamplingRows  # [B] per-row sampling parameters (static: each step's rows are copied in)
     query_start: torch.Tensor  # [B+1] int32: row offsets, (K+1) apart
     draft_query_start: torch.Tensor  # [B+1] int32: row offsets of the next draft blocks, draft_rows(K) apart
 
@@ -53,8 +50,8 @@ class DecodeBuffers:
     def allocate(cls, B: int, K: int, draft_rows: int, width: int, device: torch.device) -> DecodeBuffers:
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         offsets = torch.arange(B + 1, dtype=torch.int32, device=device)
-        return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), z(B, dtype=torch.float32), z(B),
-                   torch.ones(B, dtype=torch.float32, device=device), z(B), offsets * (K + 1), offsets * draft_rows)
+        return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), SamplingRows.allocate(B, device),
+                   offsets * (K + 1), offsets * draft_rows)
 
 
 @dataclass
@@ -185,16 +182,14 @@ class DecodeStep:
                                      ).view(B, K + 1),
             "start": host_tensor([s.num_computed for s in seqs] + [0] * pad),
             "valid": host_tensor([True] * n + [False] * pad, torch.bool), "block_tables": tables,
-            "temperature": rows.temperature, "top_k": rows.top_k, "top_p": rows.top_p, "seeds": rows.seeds,
         }
         for name, value in host.items():
             getattr(buf, name).copy_(value, non_blocking=True)
-        return SamplingRows(buf.temperature, buf.top_k, buf.top_p, buf.seeds, rows.all_greedy, rows.use_top_k,
-                            rows.use_top_p)
+        return rows.copy_to(buf.sampling)
 
     def replay(self, buf: DecodeBuffers, rows: SamplingRows, K: int) -> torch.Tensor:
         """The step from its CUDA graph, captured on the first call for this (bucket, K, sampling mode)."""
-        key = (buf.input_ids.shape[0], K, rows.all_greedy, rows.use_top_k, rows.use_top_p)
+        key = (buf.input_ids.shape[0], K, *rows.mode)
         if key not in self.graphs:
             # Warm up on a side stream (Triton compiles its kernels here), then capture. The warm-up runs the real
             # step on the real inputs; its KV writes are exactly the ones the replay makes.
@@ -230,7 +225,7 @@ class DecodeStep:
         out = verify(models, buf.input_ids.flatten(), batch)
         chosen = sample_rows(out.logits, rows.repeat(K1), batch.positions + 1).view(B, K1)
         if K > 0:
-            tokens, n = self.acceptance.accept(buf.input_ids[:, 1:], chosen, buf.seeds, buf.start)
+            tokens, n = self.acceptance.accept(buf.input_ids[:, 1:], chosen, rows.seeds, buf.start)
         else:
             tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
         packed = torch.cat([tokens, n[:, None]], dim=1)

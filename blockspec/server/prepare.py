@@ -11,7 +11,8 @@ from blockspec.errors import BlockspecError, ConfigError
 from blockspec.engine.sequence import check_prompt
 from blockspec.loading.tokenizer import Tokenizer
 from blockspec.sampling import SamplingParams
-from blockspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from blockspec.server.protocol import (SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
+                                       SamplingRequest)
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 256  # prompts x n in one request
@@ -97,7 +98,7 @@ def _sampling(req: SamplingRequest, max_tokens: int, seed_offset: int, limits: M
         raise _bad("stop_token_ids", f"stop_token_ids contains {bad_ids[0]}, outside the vocabulary "
                                      f"[0, {limits.vocab_size})")
     try:
-        return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+        return SamplingParams(**{name: getattr(req, name) for name in SAMPLING_FIELDS},
                               seed=None if req.seed is None else req.seed + seed_offset,
                               max_tokens=max_tokens, stop_token_ids=list(stop_ids))
     except ConfigError as e:

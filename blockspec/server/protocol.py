@@ -7,11 +7,15 @@ error per union member."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 from starlette.requests import Request
+
+from blockspec.sampling import SamplingParams
 
 MAX_N = 128  # choices per request, as OpenAI
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
@@ -54,17 +58,26 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingRequest(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+def _sampling_fields() -> dict[str, Any]:
+    """The SamplingParams fields a request sets as they are (metadata "api": temperature, top_p, and the extensions
+    top_k and min_p): name -> (type, default), the default OpenAI's where it differs ("api_default")."""
+    hints = typing.get_type_hints(SamplingParams)
+    return {f.name: (hints[f.name], f.metadata.get("api_default", f.default))
+            for f in dataclasses.fields(SamplingParams) if f.metadata.get("api")}
+
+
+SAMPLING_FIELDS = tuple(_sampling_fields())  # handed to SamplingParams under their own names (prepare.py)
+_SamplingFields: Any = create_model("_SamplingFields", __base__=_Body, **_sampling_fields())
+
+
+class SamplingRequest(_SamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions: the sampling fields above, and these."""
 
     model: str
     max_tokens: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Any = None  # str | list[str]
-    temperature: float = 1.0  # OpenAI's default; 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # extension (0 or -1: off)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # choice j of n samples with seed + j
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop_token_ids: list[int] | None = None  # extension: stop on these ids too (models without a tokenizer)

@@ -60,7 +60,7 @@ def load_checkpoint(out_dir: Path, cfg: TrainConfig, draft_config: dict[str, Any
                              f"run's export instead: --init {out_dir}")
     if ckpt["draft_config"] != draft_config:
         raise BlockspecError(f"{path}: the checkpoint is for a different drafter (draft config differs); resume with "
-                             f"the same --draft-layers/--block-size/--target-layer-ids/--intermediate-size/--init")
+                             f"the same --draft-layers/--draft-block-size/--target-layer-ids/--intermediate-size/--init")
     # a setting added after the checkpoint was written had its default in that run
     saved = {**TrainConfig().to_dict(), **ckpt["train_config"]}
     changed = [f"{k} ({saved.get(k)!r} -> {v!r})" for k, v in cfg.to_dict().items()

@@ -33,7 +33,7 @@ def new_draft(lm: LoadedModel, shape: DraftShape, seed: int, device: torch.devic
     if shape.num_layers < 1:
         raise BlockspecError(f"--draft-layers={shape.num_layers} must be >= 1")
     if shape.block_size < 2:
-        raise BlockspecError(f"--block-size={shape.block_size} must be >= 2 (slot 0 holds the given token)")
+        raise BlockspecError(f"--draft-block-size={shape.block_size} must be >= 2 (slot 0 holds the given token)")
     if shape.intermediate_size is not None and shape.intermediate_size < 1:
         raise BlockspecError(f"--intermediate-size={shape.intermediate_size} must be >= 1")
     mask = shape.mask_token_id if shape.mask_token_id is not None else lm.config.vocab_size - 1
