@@ -77,10 +77,8 @@ class SamplingRows:
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
-    # after the flags, so that rows built from the first seven alone (positionally) stay valid. None: off in every
-    # row (build leaves it out where no row uses it)
-    min_p: torch.Tensor | None = None  # [N] fp32, 0 = off
-    use_min_p: bool = False
+    min_p: torch.Tensor  # [N] fp32, 0 = off
+    use_min_p: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device | str,
@@ -96,19 +94,15 @@ class SamplingRows:
         use_min_p = any(p.min_p > 0 for p in params)
         return cls(floats("temperature"), host_tensor(top_k, torch.int64, device), floats("top_p"),
                    host_tensor(seeds, torch.int64, device), all(p.greedy for p in params), any(k > 0 for k in top_k),
-                   any(p.top_p < 1.0 for p in params), floats("min_p") if use_min_p else None, use_min_p)
+                   any(p.top_p < 1.0 for p in params), floats("min_p"), use_min_p)
 
     @classmethod
     def allocate(cls, n: int, device: torch.device | str) -> SamplingRows:
-        """n rows of the defaults (greedy, every filter off) on `device`, every tensor present: the static inputs of
-        a captured step, which copy_to fills."""
-        import torch
+        """n rows of the defaults (greedy, every filter off) on `device`: the static inputs of a captured step,
+        which copy_to fills."""
+        return cls.build([SamplingParams()] * n, [0] * n, device, 0)
 
-        rows = cls.build([SamplingParams()] * n, [0] * n, device, 0)
-        return replace(rows, **{name: torch.zeros_like(rows.temperature) for name, t in rows.tensors().items()
-                                if t is None})  # min_p: 0 = off
-
-    def tensors(self) -> dict[str, torch.Tensor | None]:
+    def tensors(self) -> dict[str, torch.Tensor]:
         """The per-row tensors by field name."""
         return {f.name: v for f in fields(self) if not isinstance(v := getattr(self, f.name), bool)}
 
@@ -118,7 +112,7 @@ class SamplingRows:
         return tuple(v for f in fields(self) if isinstance(v := getattr(self, f.name), bool))
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingRows:
-        return replace(self, **{k: None if t is None else fn(t) for k, t in self.tensors().items()})
+        return replace(self, **{k: fn(t) for k, t in self.tensors().items()})
 
     def repeat(self, n: int) -> SamplingRows:
         """Each row n times (the K+1 verify rows of one request share its parameters)."""
@@ -129,12 +123,10 @@ class SamplingRows:
 
     def copy_to(self, static: SamplingRows) -> SamplingRows:
         """These rows written into `static`'s tensors of the same shapes (one non-blocking copy each) and returned
-        as those tensors under these rows' flags: the inputs of a captured step for this batch. (A tensor that is
-        None here belongs to a filter these rows do not use: its flag is off, so what `static` holds is not read.)"""
+        as those tensors under these rows' flags: the inputs of a captured step for this batch."""
         mine = self.tensors()
         for name, dst in static.tensors().items():
-            if mine[name] is not None and dst is not None:
-                dst.copy_(mine[name], non_blocking=True)
+            dst.copy_(mine[name], non_blocking=True)
         return replace(self, **static.tensors())
 
 
@@ -158,7 +150,7 @@ def processed_probs_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tens
         kept = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
         kept = kept / kept.sum(-1, keepdim=True)
         probs = torch.where((rows.top_p < 1.0)[:, None], kept, probs)
-    if rows.use_min_p and rows.min_p is not None:
+    if rows.use_min_p:
         # drop the tokens below min_p x the top token's probability (a ratio that top_k and top_p, which keep the top
         # token and rescale what they keep, leave as it was); the top token itself always stays
         floor = probs.amax(dim=-1, keepdim=True) * rows.min_p[:, None]
