@@ -24,6 +24,7 @@ import torch
 
 from blockspec.config import SpeculativeConfig
 from blockspec.data.builder import encode_prompts
+from blockspec.engine.calibrate import measure_acceptance
 from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
@@ -36,11 +37,9 @@ from blockspec.speculative.schedule import derive_schedule, device_key, expected
 
 def per_position_acceptance(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]], max_tokens: int,
                             K: int) -> list[float]:
-    """p_1..p_K over every verify step of greedy decoding of `prompts` with K drafts."""
+    """p_1..p_K over every verify step of greedy decoding of `prompts` with K drafts (the engine's calibration)."""
     llm = LLM.from_loaded(lm, draft, max_num_seqs=min(16, len(prompts)), draft_len_schedule={1: K})
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    steps = [a for o in outs for a in o.acceptance_lengths]  # accepted drafts + 1 (the bonus or correction)
-    return [sum(a > i for a in steps) / len(steps) for i in range(1, K + 1)]
+    return measure_acceptance(llm.engine, prompts, max_tokens)
 
 
 def step_seconds(lm: LoadedModel, draft: LoadedDraft, batch: int, K: int, context: int, steps: int) -> float:

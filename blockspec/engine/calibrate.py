@@ -178,9 +178,10 @@ def measure_costs(engine: LLMEngine, per_position: list[float], batches: list[in
     return costs
 
 
-def measure_acceptance(engine: LLMEngine, prompts: list[list[int]] | None = None) -> list[float]:
+def measure_acceptance(engine: LLMEngine, prompts: list[list[int]] | None = None,
+                       max_tokens: int = ACCEPTANCE_TOKENS) -> list[float]:
     """p_1..p_K of greedy decoding of `prompts` (default: a few shipped prompts, in the chat template where the
-    model has one; random prompts without a tokenizer) with the engine's K at every batch size."""
+    model has one; random prompts without a tokenizer), `max_tokens` each, with the engine's K at every batch size."""
     from blockspec.data.eval_prompts import load_eval_prompts
 
     tok, K = engine.lm.tokenizer, engine.K
@@ -198,8 +199,8 @@ def measure_acceptance(engine: LLMEngine, prompts: list[list[int]] | None = None
     # each request must fit the pool alone (the scheduler runs them one after another where they do not fit together)
     room = min(engine.pool.num_blocks * engine.pool.block_size - engine.pool.block_size, engine.max_model_len)
     try:
-        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=ACCEPTANCE_TOKENS))
-               for p in prompts if len(p) + ACCEPTANCE_TOKENS + K + 1 < room]
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+               for p in prompts if len(p) + max_tokens + K + 1 < room]
         outs = []
         while engine.has_unfinished():
             outs += [o for o in engine.step() if o.finished and o.request_id in ids]
