@@ -34,7 +34,8 @@ class SpeculativeConfig:
     ngram_max: int | None = field(default=None, metadata={
         "metavar": "N", "help": f"ngram: match the last n <= N tokens (default {DEFAULT_NGRAM_MAX})"})
     num_draft_tokens: int | None = field(default=None, metadata={
-        "help": "K drafts per block (default: block_size - 1)"})
+        "help": "K drafts per block (default: block_size - 1); under --draft-len-schedule auto the most the "
+                "calibration may choose"})
     mask_token_id: int | None = None  # None -> the draft's dflash_config, then top level
     target_layer_ids: list[int] | None = None  # None -> the draft's dflash_config, then top level
     probabilistic_drafting: bool = field(default=False, metadata={
