@@ -124,7 +124,8 @@ def test_cli_generate_with_draft_vocab_size(tmp_path, capsys):
     base = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "7,8,9,10", "--max-tokens", "24", "--json"]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(base + ["--draft", str(tmp_path / "d"), "--draft-vocab-size", "16", "--trace"]) == 0
+    assert main(base + ["--draft", str(tmp_path / "d"), "--draft-vocab-size", "16", "--trace",
+                        "--draft-len-schedule", "off"]) == 0  # drafts in every step, whatever this machine measures
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == plain["token_ids"]
     assert all(t < 16 for s in out["steps"] for t in s["draft"]) and out["steps"]
