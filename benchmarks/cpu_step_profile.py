@@ -22,7 +22,7 @@ from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models import decoder
 from blockspec.speculative.dflash import DFlashProposer
 from blockspec.sampling import SamplingParams
@@ -51,7 +51,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    lm = load_model(None, device="cpu", cpu_packed=cpu_packed.fp32_supported(cpu), cpu_quant=args.cpu_quant)
+    lm = load_model(None, LoadConfig(device="cpu", cpu_packed=cpu_packed.fp32_supported(cpu), cpu_quant=args.cpu_quant))
     draft = None
     if args.spec:
         K = CPU_DRAFT_TOKENS if lm.cpu_quant == "off" else CPU_QUANT_DRAFT_TOKENS

@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks.random_pair import make_pair
-from benchmarks.step import instrument
+from benchmarks.stage_times import observe
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
@@ -49,7 +49,7 @@ def measure(lm: LoadedModel, draft: LoadedDraft, batch: int, tau: float, prompts
                           min_admit=max(1, batch // 16), max_num_batched_tokens=16384, split_mixed_steps=split,
                           enable_prefix_caching=False)  # the timed run must not hit the warm-up's prompts
     llm.generate(prompts, params, use_tqdm=False)
-    host = instrument(llm.engine)
+    host = observe(llm.engine)
     sync = torch.cuda.synchronize if lm.model.lm_head.weight.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def measure(lm: LoadedModel, draft: LoadedDraft, batch: int, tau: float, prompts
     return {"split_mixed_steps": split, "batch": batch, "requests": len(prompts), "tokens": tokens,
             "time_s": round(dt, 3), "tokens_per_second": round(tokens / dt, 1),
             "measured_tau": round(sum(acc) / len(acc), 3) if acc else None,
-            "host_breakdown_s": {k: round(v, 4) for k, v in host.items()}, "token_ids": [o.token_ids for o in outs]}
+            "host_breakdown_s": {k: round(v, 4) for k, v in host.totals.items()}, "token_ids": [o.token_ids for o in outs]}
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import ForcedAcceptance
 from blockspec.speculative.schedule import derive_schedule, device_key, expected_tokens, install_schedule
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--install", action="store_true", help="record the table in the drafter's directory")
     args = ap.parse_args(argv)
     batches, ks = [int(b) for b in args.batches.split(",")], sorted({int(k) for k in args.ks.split(",")})
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    lm = load_model(args.model, LoadConfig(device=args.device, dtype=args.dtype))
     draft_dir = Path(args.draft) if args.draft else bundled_draft_path()
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=max(ks)), lm)
     device = next(lm.model.parameters()).device

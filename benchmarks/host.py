@@ -24,10 +24,10 @@ TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=32, 
 
 def stand_in(accept: int):
     """A DecodeStep.forward that emits the bonus + drafts shifted by one, accepts `accept` drafts and drafts 7s."""
-    def forward(self: DecodeStep, buf, rows) -> torch.Tensor:
+    def forward(self: DecodeStep, buf, rows, next_k: int) -> tuple[torch.Tensor, None]:
         B, K1 = buf.input_ids.shape
         n = torch.full((B, 1), min(accept, K1 - 1), dtype=torch.long)
-        return torch.cat([(buf.input_ids + 1) % 500, n, torch.full((B, K1 - 1), 7, dtype=torch.long)], dim=1)
+        return torch.cat([(buf.input_ids + 1) % 500, n, torch.full((B, next_k), 7, dtype=torch.long)], dim=1), None
     return forward
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.config import ResolvedSpec
+from blockspec.loading.dflash_options import ResolvedSpec
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel, instantiate
 from blockspec.models.config import ModelConfig

@@ -22,9 +22,11 @@ import torch
 
 from benchmarks.parts import apply_floor, with_floor
 from benchmarks.random_pair import make_pair
-from blockspec.config import EngineConfig, ResolvedSpec
+from benchmarks.stage_times import observe
+from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import DecodeBuffers
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.loading.dflash_options import ResolvedSpec
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel, instantiate
 from blockspec.models.config import ModelConfig
@@ -77,19 +79,19 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
     per = -(-(ctx + 2 * K + 2) // 16)
     engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
     dec = engine.runner.decode
-    buf = DecodeBuffers.allocate(B, K, dec.draft_rows(K), dec.width, torch.device("cuda"))
+    buf = DecodeBuffers.allocate(B, K, dec.draft_rows(K), dec.width, None, torch.device("cuda"))
     buf.input_ids.random_(0, lm.config.vocab_size)
     buf.start.fill_(ctx)
     buf.valid.fill_(True)
     buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
     rows = buf.sampling  # greedy rows (SamplingRows.allocate)
     with torch.inference_mode():
-        dec.replay(buf, rows, K)  # warm-up + capture
-        graph = time_ms(lambda: dec.replay(buf, rows, K), 30)
+        dec.replay(buf, rows, K, K)  # warm-up + capture
+        graph = time_ms(lambda: dec.replay(buf, rows, K, K), 30)
         if not eager:
             return graph, None, None
-        eager_ms = time_ms(lambda: dec.forward(buf, rows), 10)
-        parts = breakdown(lambda: dec.forward(buf, rows), graph) if B == 1 and ctx == 1024 else None
+        eager_ms = time_ms(lambda: dec.forward(buf, rows, K), 10)
+        parts = breakdown(lambda: dec.forward(buf, rows, K), graph) if B == 1 and ctx == 1024 else None
     return graph, eager_ms, parts  # the engine and its pool are freed on return
 
 
@@ -127,53 +129,20 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     # NOT timed: reusing a timed prompt would make its prefill a prefix-cache hit of another shape (a Triton compile
     # inside the timing)
     llm.generate(warm, SamplingParams(max_tokens=48, ignore_eos=True), use_tqdm=False)
-    host = instrument(llm.engine)
-    dec = llm.engine.runner.decode
-    dec.record_gaps, dec.marks = True, []
+    host = observe(llm.engine, gaps=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    gaps = dec.host_gaps_ms()
+    gaps = host.host_gaps_ms()
     n = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.acceptance_lengths]
     return {"batch": B, "context": ctx, "new_tokens": new, "forced_tau": tau, "overlap": overlap,
             "draft_len_schedule": schedule, "tokens": n,
             "time_s": dt, "tokens_per_second": n / dt, "measured_tau": sum(acc) / len(acc) if acc else None,
-            "decode_replays": len(dec.marks), "host_gap_ms_median": statistics.median(gaps) if gaps else None,
-            "host_breakdown_s": {k: round(v, 4) for k, v in host.items()}}
-
-
-def instrument(engine: LLMEngine) -> dict[str, float]:
-    """Wall time spent in each part of the engine's step (and call counts), accumulated into the returned dict by
-    timing wrappers around this engine's public step methods."""
-    totals: dict[str, float] = {}
-
-    def wrap(obj, name: str, label: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t
-                totals[label + "_calls"] = totals.get(label + "_calls", 0) + 1
-
-        setattr(obj, name, timed)
-
-    wrap(engine.scheduler, "schedule", "schedule")
-    wrap(engine.runner, "varlen_step", "varlen_step")
-    # a decode step is launched (incl. fill) or chained, then collected: collect includes the wait for the GPU
-    wrap(engine.runner.decode, "launch", "decode_launch")
-    wrap(engine.runner.decode, "launch_next", "decode_launch_next")
-    wrap(engine.runner.decode, "collect", "decode_collect_incl_gpu_wait")
-    wrap(engine.runner.decode, "fill", "decode_fill")
-    wrap(engine.runner, "propose", "propose")
-    wrap(engine, "commit", "commit")
-    wrap(engine, "collect_outputs", "outputs")
-    return totals
+            "decode_replays": len(host.marks), "host_gap_ms_median": statistics.median(gaps) if gaps else None,
+            "host_breakdown_s": {k: round(v, 4) for k, v in host.totals.items()}}
 
 
 def greedy_vs_hf(lm: LoadedModel, draft: LoadedDraft, hf, n_prompts: int = 8, n: int = 64) -> dict:

@@ -1,28 +1,30 @@
-"""SpeculativeConfig (DFlash, n-gram lookup, a classic draft model): the fields users of other engines know,
-validated when built and against the target."""
+"""The configs the CLI builds its flags from (without importing torch): SpeculativeConfig (DFlash, n-gram lookup, a
+classic draft model), the fields users of other engines know, validated when built, and EngineConfig. A field that
+one method alone reads says so (metadata "methods"); the method resolves it against its checkpoint and the target on
+its own side (DFlash: loading/dflash_options.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
 
 from blockspec.errors import ConfigError
 
-if TYPE_CHECKING:  # annotations only: the CLI builds its flags from this module without importing torch
-    from blockspec.models.config import ModelConfig
-    from blockspec.models.dflash_config import DFlashConfig
-
-
 METHODS = ("dflash", "ngram", "draft-model")
+# How a refusal names the methods a field is for (field metadata "methods"): "method 'ngram'" unless listed here
+METHOD_READERS = {"dflash": "DFlash drafters"}
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_DRAFT_TOKENS = 5  # K without a drafter's block size to derive it from
 AUTO = "auto"  # EngineConfig.draft_len_schedule: measured on this machine (engine/calibrate.py)
-# fields that only a DFlash drafter reads: given with another method, they are an error that names them
-DFLASH_ONLY = ("mask_token_id", "target_layer_ids", "full_block_drafting", "cpu_bf16_draft", "draft_vocab_size")
+
+
+def _readers(methods: tuple[str, ...]) -> str:
+    return " and ".join(METHOD_READERS.get(m, f"method {m!r}") for m in methods)
 
 
 @dataclass
 class SpeculativeConfig:
+    # metadata "methods": the only methods that read the field; set (not None / False) with another method, it is an
+    # error that names it. The root config knows which fields are whose, not what a method makes of them.
     draft_model: str | None = field(default=None, metadata={
         "flag": "--draft", "help": "draft checkpoint (directory or hub id): a DFlash drafter, or with "
                                    "--speculative-method draft-model a small causal LM with the target's tokenizer"})
@@ -32,18 +34,22 @@ class SpeculativeConfig:
         "help": "dflash (block-diffusion drafter), ngram (prompt lookup, no --draft) or draft-model (a classic "
                 "autoregressive draft model); default: from the --draft checkpoint"})
     ngram_max: int | None = field(default=None, metadata={
-        "metavar": "N", "help": f"ngram: match the last n <= N tokens (default {DEFAULT_NGRAM_MAX})"})
+        "methods": ("ngram",), "metavar": "N",
+        "help": f"ngram: match the last n <= N tokens (default {DEFAULT_NGRAM_MAX})"})
     num_draft_tokens: int | None = field(default=None, metadata={
         "help": "K drafts per block (default: block_size - 1); under --draft-len-schedule auto the most the "
                 "calibration may choose"})
-    mask_token_id: int | None = None  # None -> the draft's dflash_config, then top level
-    target_layer_ids: list[int] | None = None  # None -> the draft's dflash_config, then top level
+    # None -> the draft's dflash_config, then its top level (loading/dflash_options.py)
+    mask_token_id: int | None = field(default=None, metadata={"methods": ("dflash",)})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"methods": ("dflash",)})
     probabilistic_drafting: bool = field(default=False, metadata={
+        "methods": ("dflash",),
         "help": "sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)"})
     # draft every block with the drafter's trained block size and verify the first K drafts: with K + 1 below the
     # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step.
     # None (unset): off here; the commands turn it on for the CPU (cpu_draft_defaults)
     full_block_drafting: bool | None = field(default=None, metadata={
+        "methods": ("dflash",),
         "help": "draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 is below "
                 "the block size and drafting is cheap next to verifying; default: on for the CPU)"})
     # CPU only: run the drafter, and its pass over the target's lm_head, in bf16 on weights packed once for oneDNN
@@ -51,6 +57,7 @@ class SpeculativeConfig:
     # plain decoding; only the drafts (acceptance) may differ. None (unset): off here; the commands turn it on where
     # the CPU has bf16 units (cpu_draft_defaults)
     cpu_bf16_draft: bool | None = field(default=None, metadata={
+        "methods": ("dflash",),
         "help": "CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); the "
                 "target still verifies every draft in its own dtype, so outputs do not change (default: on where "
                 "the CPU has them)"})
@@ -58,7 +65,8 @@ class SpeculativeConfig:
     # first ids cover most output tokens). Lossless: the target still verifies; drafts of ids >= N are never made.
     # None: the whole vocabulary. Argmax drafting only.
     draft_vocab_size: int | None = field(default=None, metadata={
-        "metavar": "N", "help": "argmax drafts over token ids < N only (a smaller draft head; outputs do not change)"})
+        "methods": ("dflash",), "metavar": "N",
+        "help": "argmax drafts over token ids < N only (a smaller draft head; outputs do not change)"})
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -78,11 +86,12 @@ class SpeculativeConfig:
                 raise ConfigError(f"ngram_max={self.ngram_max!r} applies to method 'ngram' only", field="ngram_max")
             if isinstance(self.ngram_max, bool) or not isinstance(self.ngram_max, int) or self.ngram_max < 1:
                 raise ConfigError(f"ngram_max={self.ngram_max!r} must be an integer >= 1", field="ngram_max")
-        if self.method in ("ngram", "draft-model"):
-            for name in DFLASH_ONLY + ("probabilistic_drafting",):
-                if getattr(self, name) not in (None, False):
-                    raise ConfigError(f"{name}={getattr(self, name)!r} applies to DFlash drafters only, not to "
-                                      f"method {self.method!r}", field=name)
+        if self.method is not None:  # None: the checkpoint names the method (speculative/registry.method_of)
+            for f in fields(self):
+                value, methods = getattr(self, f.name), f.metadata.get("methods")
+                if methods and self.method not in methods and value not in (None, False):
+                    raise ConfigError(f"{f.name}={value!r} applies to {_readers(methods)} only, not to method "
+                                      f"{self.method!r}", field=f.name)
         k = self.num_draft_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(f"num_draft_tokens={k!r} must be an integer >= 1", field="num_draft_tokens")
@@ -99,68 +108,6 @@ class SpeculativeConfig:
                 # smaller head only serves argmax drafts
                 raise ConfigError(f"draft_vocab_size={n} works with argmax drafting only, not with "
                                   f"probabilistic_drafting")
-
-
-@dataclass
-class ResolvedSpec:
-    """The speculative settings after merging user overrides with the draft checkpoint and checking the target."""
-
-    num_draft_tokens: int  # K
-    mask_token_id: int
-    target_layer_ids: list[int]
-    block_size: int
-    probabilistic_drafting: bool
-    full_block_drafting: bool = False
-
-    def draft_rows(self, k: int) -> int:
-        """Rows of a draft block that proposes k drafts: [bonus, MASK x (rows - 1)]."""
-        return self.block_size if self.full_block_drafting else k + 1
-
-
-def resolve_spec(spec: SpeculativeConfig, draft: DFlashConfig, target: ModelConfig, source: str) -> ResolvedSpec:
-    ids = spec.target_layer_ids if spec.target_layer_ids is not None else draft.target_layer_ids
-    if ids is None:
-        raise ConfigError(
-            f"{source}: target_layer_ids is not set (no 'dflash_config.target_layer_ids' or top-level "
-            f"'target_layer_ids' in the draft config, and no override); pass target_layer_ids explicitly"
-        )
-    mask = spec.mask_token_id if spec.mask_token_id is not None else draft.mask_token_id
-    if mask is None:
-        raise ConfigError(
-            f"{source}: mask_token_id is not set (no 'dflash_config.mask_token_id' or top-level 'mask_token_id' "
-            f"in the draft config, and no override); pass mask_token_id explicitly"
-        )
-    if draft.hidden_size != target.hidden_size:
-        raise ConfigError(
-            f"{source}: draft hidden_size={draft.hidden_size} does not match the target's hidden_size="
-            f"{target.hidden_size}; a DFlash draft must be trained for this target"
-        )
-    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ConfigError(f"{source}: target_layer_ids={ids} must be distinct non-negative layer indices, at least one")
-    bad = [i for i in ids if i >= target.num_hidden_layers]
-    if bad:
-        raise ConfigError(
-            f"{source}: target_layer_ids={ids} contains {bad[0]}, but the target has only "
-            f"{target.num_hidden_layers} layers (ids are 0-based)"
-        )
-    n = spec.draft_vocab_size
-    if n is not None and not 1 <= n <= target.vocab_size:
-        raise ConfigError(f"draft_vocab_size={n} is out of range: the target's vocabulary allows "
-                          f"1..{target.vocab_size}")
-    if not 0 <= mask < target.vocab_size:
-        raise ConfigError(f"{source}: mask_token_id={mask} is outside the target vocabulary [0, {target.vocab_size})")
-    if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
-        raise ConfigError(
-            f"{source}: draft vocab_size={draft.vocab_size} does not match the target's vocab_size={target.vocab_size}"
-        )
-    k = spec.num_draft_tokens if spec.num_draft_tokens is not None else draft.block_size - 1
-    if not 1 <= k <= draft.block_size - 1:
-        raise ConfigError(
-            f"num_draft_tokens={k} is out of range for this draft: block_size={draft.block_size} allows 1.."
-            f"{draft.block_size - 1}"
-        )
-    return ResolvedSpec(k, mask, list(ids), draft.block_size, spec.probabilistic_drafting,
-                        bool(spec.full_block_drafting))
 
 
 @dataclass

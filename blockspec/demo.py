@@ -13,7 +13,7 @@ from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_quant import kernel_name as cpu_quant_kernel
 from blockspec.llm import LLM
 from blockspec.loading.detokenizer import IncrementalDecoder
-from blockspec.loading.loader import LoadedModel, load_model, resolve_device
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model, resolve_device
 from blockspec.sampling import SamplingParams
 
 CPU_DRAFT_TOKENS = 4
@@ -78,7 +78,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     # on a CPU the target's linears are packed once for oneDNN (plain and spec alike): a step reads the weights
     # faster, and a verify step of K + 1 rows costs about what a 1-row step does (MKL's small GEMMs do not)
     packed = cpu_packed.fp32_supported(dev)
-    lm = load_model(model, device=device, cpu_packed=packed, cpu_quant=cpu_quant if on_cpu else "off")
+    lm = load_model(model, LoadConfig(device=device, cpu_packed=packed, cpu_quant=cpu_quant if on_cpu else "off"))
     assert lm.tokenizer is not None
     if num_draft_tokens is None and on_cpu:
         # the drafter's 16-row pass is paid every step whatever K is, so K is where more drafts stop paying for

@@ -12,7 +12,7 @@ from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.outputs import RequestOutput
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.loading.draft_loader import LoadedDraft
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy
 from blockspec.speculative.proposer import Proposer
@@ -59,8 +59,8 @@ class LLM:
             self.lm, self.engine = self.tp.lm, self.tp.engine
             self.tokenizer = self.lm.tokenizer
             return
-        self.lm = load_model(model, device=device, dtype=dtype, cpu_packed=cpu_packed, batch_invariant=batch_invariant,
-                             cpu_quant=cpu_quant)
+        self.lm = load_model(model, LoadConfig(device=device, dtype=dtype, cpu_packed=cpu_packed,
+                                               batch_invariant=batch_invariant, cpu_quant=cpu_quant))
         self.tokenizer = self.lm.tokenizer
         proposer = load_proposer(speculative_config, self.lm) if speculative_config is not None else None
         self.engine = LLMEngine(self.lm, proposer, config)

@@ -12,7 +12,7 @@ from blockspec.engine.sequence import SeqStatus
 from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.config import SpeculativeConfig
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
@@ -179,7 +179,7 @@ def tiny(tmp_path_factory):
     save_hf_model(hf, root / "target")
     make_zlab_draft(hf.config, root / "draft", layers=2, block_size=8, target_layer_ids=[0, 1],
                     mask_token_id=RANDOM_MASK, seed=1)
-    lm = load_model(str(root / "target"), device="cpu", with_tokenizer=False)
+    lm = load_model(str(root / "target"), LoadConfig(device="cpu", with_tokenizer=False))
     draft = load_draft(SpeculativeConfig(draft_model=str(root / "draft")), lm)
     assert draft.spec.num_draft_tokens == 7
     return lm, draft

@@ -15,7 +15,7 @@ import pytest
 
 from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.proposer import Proposer
 from engine_utils import Run, assert_equal_plain, plain_ref, spec_consistency
@@ -42,7 +42,7 @@ def ckpts(tmp_path_factory) -> Checkpoints:
     # 3 layers, 1 KV head of dim 12: the proposer pages get a shape of their own, unlike the target's
     save_hf_model(make_hf_model("qwen2", seed=7, **{**TINY, "hidden_size": 48, "num_hidden_layers": 3,
                                                       "num_key_value_heads": 1}), root / "other")
-    lm = load_model(str(root / "target"), device="cpu", with_tokenizer=False)
+    lm = load_model(str(root / "target"), LoadConfig(device="cpu", with_tokenizer=False))
     return Checkpoints(lm, root / "target", root / "other")
 
 
@@ -161,22 +161,14 @@ def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, p
         llm.engine.overlap = llm.engine.config.overlap  # on the CPU too, as on CUDA (the engine's CPU default: off)
         runner = llm.engine.runner
         if name == "varlen_only":
-            runner.decode.eligible = lambda scheduled: None
+            runner.decode.eligible = lambda scheduled: False
         steps: list[list[tuple[str, int, int]]] = []  # per engine step: (path, requests, K) of each call
-        real_run, real_varlen, real_step = runner.decode.run, runner.varlen_step, runner.step
-        real_launch, real_next = runner.launch_decode, runner.launch_next
-        runner.decode.run = lambda seqs, k: steps[-1].append(("decode", len(seqs), k)) or real_run(seqs, k)
+        real_decode, real_varlen = runner.decode.launch, runner.varlen_step
+        real_launch, real_next = runner.launch, runner.launch_next
+        runner.decode.launch = lambda sch: steps[-1].append(("decode", len(sch), sch[0].k)) or real_decode(sch)
         runner.varlen_step = lambda sch: steps[-1].append(("varlen", len(sch), 0)) or real_varlen(sch)
-        runner.step = lambda sch: steps.append([]) or real_step(sch)
-
-        def launch(sch):  # overlap: a decode step enqueued from the scheduled requests
-            out = real_launch(sch)
-            if out is not None:
-                steps.append([("decode", len(out.seqs), out.K)])
-            return out
-
-        runner.launch_decode = launch
-        runner.launch_next = lambda prev: steps.append([("decode", len(prev.seqs), prev.K)]) or real_next(prev)
+        runner.launch = lambda sch: steps.append([]) or real_launch(sch)
+        runner.launch_next = lambda prev: steps.append([("decode", len(prev.seqs), prev.chain_k)]) or real_next(prev)
         outs = Run(llm).run(prompts, params, stagger=2)
         assert_equal_plain(lm, prompts, params, outs)
         spec_consistency(outs)

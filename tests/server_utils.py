@@ -15,7 +15,7 @@ from pathlib import Path
 
 from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 
@@ -56,7 +56,7 @@ def tiny_pair():
     root = Path(tempfile.mkdtemp(prefix="blockspec-server-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     target, draft = make_checkpoints(root)
-    lm = load_model(str(target), device="cpu")
+    lm = load_model(str(target), LoadConfig(device="cpu"))
     return target, draft, lm, load_draft(SpeculativeConfig(draft_model=str(draft)), lm)
 
 

@@ -1,4 +1,4 @@
-"""Batch invariance (load_model(batch_invariant=True)): a row's GEMM output and a query's attention output are
+"""Batch invariance (LoadConfig(batch_invariant=True)): a row's GEMM output and a query's attention output are
 bitwise the same whatever they are batched with, so greedy speculative output equals plain decoding in bf16 too.
 On CPU the kernels run under Triton's interpreter in fp32 (its bf16 dot is broken); the GPU runs bf16 as well."""
 
@@ -19,7 +19,7 @@ from blockspec.layers import kernels  # noqa: E402
 from blockspec.layers.invariant_linear import (InvariantLinear, Tile, invariant_linear,  # noqa: E402
                                                make_batch_invariant)
 from blockspec.llm import LLM  # noqa: E402
-from blockspec.loading.loader import load_model  # noqa: E402
+from blockspec.loading.loader import LoadConfig, load_model  # noqa: E402
 from blockspec.sampling import SamplingParams  # noqa: E402
 from test_triton_attention import make_case  # noqa: E402
 
@@ -74,9 +74,9 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", False)
     with pytest.raises(BlockspecError, match=r"batch_invariant=True \(--batch-invariant\) .* needs a CUDA device, "
                                              r"got 'cpu'"):
-        load_model(None, device="cpu", batch_invariant=True)
+        load_model(None, LoadConfig(device="cpu", batch_invariant=True))
     with pytest.raises(BlockspecError, match="exclude each other"):
-        load_model(None, device="cpu", batch_invariant=True, cpu_packed=True)
+        load_model(None, LoadConfig(device="cpu", batch_invariant=True, cpu_packed=True))
 
 
 def test_cli_flag_on_cpu_names_the_flag_and_the_device(capsys, monkeypatch):

@@ -22,7 +22,7 @@ from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_packed import PackedLinear
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.loading.prepare import pack_draft
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_io import DraftHead, OwnHead
@@ -131,7 +131,7 @@ def tiny_pair(tmp_path_factory):
     save_hf_model(hf, root / "target")
     make_zlab_draft(hf.config, root / "draft", layers=2, block_size=8, target_layer_ids=[0, 1], mask_token_id=127,
                     seed=1)
-    return load_model(str(root / "target"), device="cpu", with_tokenizer=False), root / "draft"
+    return load_model(str(root / "target"), LoadConfig(device="cpu", with_tokenizer=False)), root / "draft"
 
 
 @needs_bf16

@@ -1,4 +1,4 @@
-"""The CPU-packed target (load_model(cpu_packed=True), --cpu-packed): fp32 linears packed for oneDNN compute what
+"""The CPU-packed target (LoadConfig(cpu_packed=True), --cpu-packed): fp32 linears packed for oneDNN compute what
 F.linear does within fp32 rounding at any row count; a packed target decodes the same greedy tokens as the unpacked
 one, plainly and with every drafter set-up (fp32, bf16, smaller draft vocabulary; engine and single-request loop);
 the lm_head stays readable for the drafter; bad set-ups fail with an error that names the flag."""
@@ -22,7 +22,7 @@ from blockspec.layers.cpu_packed import PackedLinear, pack_linears, pack_target
 from blockspec.llm import LLM
 from blockspec.speculative import registry
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models.qkv import PackedContextKV
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
@@ -66,7 +66,7 @@ def test_packed_linear_equals_f_linear(bias, dtype):
 
 def test_pack_target_replaces_every_linear_and_keeps_the_head_weight(tmp_path):
     save_hf_model(make_hf_model("llama", seed=3, tie_word_embeddings=True), tmp_path / "t")
-    model = load_model(str(tmp_path / "t"), device="cpu", with_tokenizer=False).model
+    model = load_model(str(tmp_path / "t"), LoadConfig(device="cpu", with_tokenizer=False)).model
     embed = model.embed_tokens.weight
     assert model.lm_head.weight is embed
     pack_target(model)
@@ -83,7 +83,7 @@ def packed_pair(tmp_path_factory):
     target = Path(pair.lm.source.path)
     config = json.loads((target.parent / "draft" / "config.json").read_text())
     draft_dir = save_draft(pair.draft.model, config, tmp_path_factory.mktemp("packed") / "draft", dtype=torch.float32)
-    lm = load_model(str(target), device="cpu", with_tokenizer=False, cpu_packed=True)
+    lm = load_model(str(target), LoadConfig(device="cpu", with_tokenizer=False, cpu_packed=True))
     assert isinstance(lm.model.lm_head, PackedLinear)
     return pair, lm, draft_dir
 
@@ -150,13 +150,13 @@ def test_cpu_packed_errors_name_the_flag(tmp_path, monkeypatch):
     save_hf_model(make_hf_model("llama", seed=1), tmp_path / "t")
     with pytest.raises(BlockspecError, match=r"^cpu_packed=True \(--cpu-packed\) packs fp32 weights \(bf16 on CPUs "
                                              r"with bf16 kernels\), not torch.float16$"):
-        load_model(str(tmp_path / "t"), device="cpu", dtype="float16", cpu_packed=True)
+        load_model(str(tmp_path / "t"), LoadConfig(device="cpu", dtype="float16", cpu_packed=True))
     with pytest.raises(ConfigError, match=r"^cpu_packed=True is not supported with tensor_parallel_size > 1"):
         LLM(str(tmp_path / "t"), device="cpu", cpu_packed=True, tensor_parallel_size=2)
     monkeypatch.setattr(cpu_packed, "fp32_supported", lambda device: False)
     with pytest.raises(BlockspecError, match=r"^cpu_packed=True \(--cpu-packed\) needs a CPU with oneDNN, but this "
                                              r"torch build cannot pack linears for oneDNN \(mkldnn\)$"):
-        load_model(str(tmp_path / "t"), device="cpu", cpu_packed=True)
+        load_model(str(tmp_path / "t"), LoadConfig(device="cpu", cpu_packed=True))
 
 
 def test_support_probe_says_no_where_the_ops_fail(monkeypatch):

@@ -4,7 +4,7 @@ llama-cpp-python: the teacher-forced argmax that top-1 agreement counts, and whe
 from __future__ import annotations
 
 from blockspec.llm import LLM
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from hf_utils import make_hf_model, save_hf_model
 from tool_utils import ROOT, load_tool
@@ -14,8 +14,8 @@ def test_teacher_forced_argmax_reproduces_greedy_decoding(tmp_path):
     """Fed its own greedy answer, a model's argmax after each position is the token it generated there: one forward
     over the whole sequence predicts what decoding step by step chose."""
     agreement = load_tool("cpu_quant_agreement")
-    lm = load_model(str(save_hf_model(make_hf_model("qwen3", seed=4), tmp_path / "t")), device="cpu",
-                    with_tokenizer=False)
+    lm = load_model(str(save_hf_model(make_hf_model("qwen3", seed=4), tmp_path / "t")),
+                    LoadConfig(device="cpu", with_tokenizer=False))
     prompt = [5, 9, 31, 2, 77]
     answer = LLM.from_loaded(lm, None).generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True),
                                                  use_tqdm=False)[0].token_ids

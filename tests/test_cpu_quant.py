@@ -1,4 +1,4 @@
-"""The quantized CPU target (load_model(cpu_quant=...), --cpu-quant): int4 / int8 packed linears equal their dequantized
+"""The quantized CPU target (LoadConfig(cpu_quant=...), --cpu-quant): int4 / int8 packed linears equal their dequantized
 reference within the tolerance docs/perf.md states; each output row is computed the same way whatever the other rows
 (the property greedy speculative decoding needs to stay exact); a quantized model's verify rows equal its decode rows
 bit for bit, and its speculative output equals its plain output, given a target attention that computes each query
@@ -23,7 +23,7 @@ from blockspec.layers.cpu_quant import Int4Linear, Int8Linear, QuantLinear, quan
 from blockspec.llm import LLM
 from blockspec.loading.bundled import find_bundled
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models.dflash_io import OwnHead
 from blockspec.sampling import SamplingParams
 from blockspec.train.export import save_draft
@@ -142,8 +142,8 @@ def test_quantized_target(tmp_path, arch, mode):
     model computes what its dequantized weights with bf16 linear inputs and outputs do; and its verify rows equal its
     decode rows bit for bit (a row-invariant attention given)."""
     src = save_hf_model(make_hf_model(arch, seed=5, tie_word_embeddings=arch == "llama"), tmp_path / "t")
-    lm = load_model(str(src), device="cpu", with_tokenizer=False, cpu_quant=mode, cpu_packed=True)
-    ref = load_model(str(src), device="cpu", with_tokenizer=False)
+    lm = load_model(str(src), LoadConfig(device="cpu", with_tokenizer=False, cpu_quant=mode, cpu_packed=True))
+    ref = load_model(str(src), LoadConfig(device="cpu", with_tokenizer=False))
     assert lm.cpu_quant == mode
     assert not any(type(m) is nn.Linear for m in lm.model.modules())
     quantized = [m.mode for m in lm.model.modules() if isinstance(m, QuantLinear)]
@@ -200,7 +200,8 @@ def test_speculative_output_equals_plain_under_the_quantized_path(trained_draft_
     greedy tokens, the drafter drafts through the quantized head (its vocabulary prefix quantized the same way) and
     is accepted."""
     pair, draft_dir = trained_draft_dir
-    lm = load_model(str(pair.lm.source.path), device="cpu", with_tokenizer=False, cpu_packed=True, cpu_quant=mode)
+    lm = load_model(str(pair.lm.source.path),
+                    LoadConfig(device="cpu", with_tokenizer=False, cpu_packed=True, cpu_quant=mode))
     prompts = [[14, 15, 16, 17], CYCLE_B[7:12], cycle_seq(CYCLE_A, 3, 30), [3, 50, 21, 7, 44, 12, 60]]
     refs = [o.token_ids for o in LLM.from_loaded(lm, None, max_num_seqs=4, block_size=4)
             .generate(prompts, greedy(40), use_tqdm=False)]
@@ -223,7 +224,7 @@ def test_bad_values_fail_with_one_line_naming_the_flag(tmp_path, monkeypatch, ca
     src = save_hf_model(make_hf_model("llama", seed=1), tmp_path / "t")
     capsys.readouterr()
     with pytest.raises(ConfigError, match=r"^cpu_quant='q5' \(--cpu-quant\) is not one of auto, q8, q4, off$"):
-        load_model(str(src), device="cpu", cpu_quant="q5")
+        load_model(str(src), LoadConfig(device="cpu", cpu_quant="q5"))
     with pytest.raises(ConfigError, match=r"^cpu_quant='q4' is not supported with tensor_parallel_size > 1"):
         LLM(str(src), device="cpu", cpu_quant="q4", tensor_parallel_size=2)
     assert main(["demo", "--cpu-quant", "int4", "--max-tokens", "1"]) == 2
@@ -239,8 +240,8 @@ def test_bad_values_fail_with_one_line_naming_the_flag(tmp_path, monkeypatch, ca
     with pytest.raises(BlockspecError, match=r"^cpu_quant='q8' \(--cpu-quant\) runs torch's CPU quantized matmuls, "
                                              r"but this CPU or torch build has no vectorized kernel for it; use "
                                              r"--cpu-quant auto or off$"):
-        load_model(str(src), device="cpu", cpu_quant="q8")
-    assert load_model(str(src), device="cpu", cpu_quant="auto", with_tokenizer=False).cpu_quant == "off"
+        load_model(str(src), LoadConfig(device="cpu", cpu_quant="q8"))
+    assert load_model(str(src), LoadConfig(device="cpu", cpu_quant="auto", with_tokenizer=False)).cpu_quant == "off"
 
 
 def test_auto_is_the_fastest_supported_mode(monkeypatch):
@@ -261,7 +262,7 @@ def test_the_bundled_pair_quantized():
     from blockspec.loading.bundled_draft import bundled_draft_path
 
     for mode in MODES:
-        lm = load_model(None, device="cpu", cpu_packed=True, cpu_quant=mode)
+        lm = load_model(None, LoadConfig(device="cpu", cpu_packed=True, cpu_quant=mode))
         draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), full_block_drafting=True,
                                              num_draft_tokens=CPU_QUANT_DRAFT_TOKENS, draft_vocab_size=CPU_DRAFT_VOCAB,
                                              cpu_bf16_draft=cpu_packed.bf16_supported(CPU)), lm)

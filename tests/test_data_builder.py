@@ -17,7 +17,7 @@ from blockspec.data.shards import read_manifest, read_shards
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.errors import BlockspecError
 from blockspec.llm import LLM
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from hf_utils import make_hf_model, save_hf_model
 from test_data import SHAREGPT, write
@@ -51,7 +51,7 @@ def target(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = TEMPLATE
     fast.save_pretrained(str(d))
-    return load_model(str(d), device="cpu")
+    return load_model(str(d), LoadConfig(device="cpu"))
 
 
 def greedy_reference(lm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -112,10 +112,10 @@ def test_sampled_seeds_follow_the_prompt_not_the_chunk(target, tmp_path, monkeyp
 def test_a_request_the_engine_fails_is_left_out(target, tmp_path, monkeypatch):
     real = LLMEngine.commit
 
-    def fails_once(self, seq, *a):
-        if seq.prompt_ids == first_prompt and not seq.output_ids:
+    def fails_once(self, result):
+        if result.seq.prompt_ids == first_prompt and not result.seq.output_ids:
             raise RuntimeError("injected")
-        return real(self, seq, *a)
+        return real(self, result)
 
     first_prompt = builder.encode_prompts(target, TRAIN[:1], True)[0]
     monkeypatch.setattr(LLMEngine, "commit", fails_once)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.decode_step import buckets
 from oracles import generate
 from blockspec.llm import LLM
@@ -54,12 +55,12 @@ def test_decode_step_taken_and_equal_to_varlen_step(pair):
     calls = []
     step = llm.engine.runner.decode  # steps are launched from the host's inputs, or chained from the last step
     launch, launch_next = step.launch, step.launch_next
-    step.launch = lambda seqs, K: calls.append((len(seqs), K)) or launch(seqs, K)
+    step.launch = lambda sch: calls.append((len(sch), sch[0].k)) or launch(sch)
     step.launch_next = lambda prev: calls.append((len(prev.seqs), prev.K)) or launch_next(prev)
     fused = run(llm, prompts, params)
     assert len(calls) >= 8 and any(b > 1 for b, _ in calls) and any(b not in buckets(7) for b, _ in calls), calls
     varlen = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
-    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    varlen.engine.runner.decode.eligible = lambda scheduled: False
     assert run(varlen, prompts, params) == fused
     assert sum(len(acc) for _, acc, _ in fused) > 0 and max(max(acc) for _, acc, _ in fused if acc) > 3
 
@@ -76,18 +77,18 @@ def test_mixed_steps_split_and_keep_outputs(pair):
     split = LLM.from_loaded(lm, draft, split_mixed_steps=True, **kw)
     runner = split.engine.runner
     mixed, calls = [], []
-    real_step, real_run, real_varlen = runner.step, runner.decode.run, runner.varlen_step
-    runner.decode.run = lambda seqs, K: calls.append(("decode", len(seqs))) or real_run(seqs, K)
+    real_launch, real_decode, real_varlen = runner.launch, runner.decode.launch, runner.varlen_step
+    runner.decode.launch = lambda sch: calls.append(("decode", len(sch))) or real_decode(sch)
     runner.varlen_step = lambda sch: calls.append(("varlen", len(sch))) or real_varlen(sch)
 
-    def step(scheduled):
+    def launch(scheduled):
         calls.clear()
-        out = real_step(scheduled)
+        out = real_launch(scheduled)
         if len(calls) == 2:
             mixed.append((len(scheduled), list(calls)))
         return out
 
-    runner.step = step
+    runner.launch = launch
     assert run(split, prompts, params) == run(plain, prompts, params)
     assert len(mixed) >= 3, mixed
     assert all(n == calls[0][1] + calls[1][1] and calls[0][0] == "decode" for n, calls in mixed), mixed
@@ -106,8 +107,8 @@ def test_padding_rows_never_write_the_pool(pair):
     pool = eng.pool
     before = [t.clone() for t in (pool.k, pool.v, pool.draft_k, pool.draft_v)]
     seqs = list(eng.scheduler.running)
-    windows = [(s, s.num_computed, len(s.drafts) + 1) for s in seqs]  # the verify rows of this step
-    assert eng.runner.decode.eligible([type("S", (), {"seq": s, "is_prefill": False})() for s in seqs]) is not None
+    windows = [(s, s.num_computed, s.drafts.k + 1) for s in seqs]  # the verify rows of this step
+    assert eng.runner.decode.eligible([ScheduledSeq(s, s.drafts.k + 1, False, s.drafts.k) for s in seqs])
     eng.step()
     written = {s.block_table[p // 4] * 4 + p % 4 for s, start, n in windows for p in range(start, start + n)}
     for old, new in zip(before, (pool.k, pool.v, pool.draft_k, pool.draft_v)):
@@ -136,6 +137,31 @@ def test_seeded_sampling_spec_equals_plain(pair, probabilistic):
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         assert any(spec[i] != plain[i] for i in sampled)
         assert all(spec[i] == plain[i] for i, sp in enumerate(params) if sp.greedy)
+
+
+def test_probabilistic_drafting_runs_in_the_decode_step(pair):
+    """Sampled drafts (probabilistic drafting) take the decode step like argmax drafts: their q stays on the device
+    between the step that draws them and the step that accepts them, also when that step is chained (overlap).
+    Outputs, acceptance lengths and traces equal the varlen-only engine's."""
+    import dataclasses
+
+    lm, draft = pair
+    draft = dataclasses.replace(draft, spec=dataclasses.replace(draft.spec, probabilistic_drafting=True))
+    prompts, params = workload(10, seed=5, max_tokens=(20, 50))
+    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    llm.engine.overlap = True  # as on CUDA: chained steps carry q from one step to the next on the device
+    sampled_rows = []
+    step = llm.engine.runner.decode
+    launch, launch_next = step.launch, step.launch_next
+    step.launch = lambda sch: sampled_rows.append(sum(not s.seq.params.greedy for s in sch)) or launch(sch)
+    step.launch_next = lambda prev: sampled_rows.append(sum(not s.params.greedy for s in prev.seqs)) or launch_next(prev)
+    fused = run(llm, prompts, params)
+    assert sum(sampled_rows) > 20 and llm.engine.num_overlapped_steps > 0, sampled_rows
+    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    varlen.engine.runner.decode.eligible = lambda scheduled: False
+    assert run(varlen, prompts, params) == fused
+    single = [spec_generate(lm, draft, p, sp).token_ids for p, sp in zip(prompts, params)]
+    assert [t for t, _, _ in fused] == single
 
 
 def test_cpu_never_captures(pair):

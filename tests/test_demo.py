@@ -53,10 +53,10 @@ def test_the_bundled_drafter_is_lossless_and_accepted():
     from blockspec.layers import cpu_packed
     from blockspec.llm import LLM
     from blockspec.loading.draft_loader import load_draft
-    from blockspec.loading.loader import load_model
+    from blockspec.loading.loader import LoadConfig, load_model
     from blockspec.sampling import SamplingParams
 
-    lm = load_model(None, device="cpu")
+    lm = load_model(None, LoadConfig(device="cpu"))
     path = bundled_draft.bundled_draft_path()
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPTS[0]}])
     params = SamplingParams(max_tokens=48)
@@ -71,7 +71,7 @@ def test_the_bundled_drafter_is_lossless_and_accepted():
         acc = spec.acceptance_lengths
         assert sum(acc) / len(acc) > 1.5, (cpu_bf16, acc)
     if cpu_packed.fp32_supported(torch.device("cpu")):  # the demo's set-up: packed target, its K and draft rows
-        lm = load_model(None, device="cpu", cpu_packed=True)
+        lm = load_model(None, LoadConfig(device="cpu", cpu_packed=True))
         assert LLM.from_loaded(lm, None, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0].token_ids == \
             plain.token_ids
         draft = load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=CPU_DRAFT_TOKENS,

@@ -10,7 +10,7 @@ import torch
 
 from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.train.export import hf_state_dict
 from safetensors.torch import load_file
@@ -63,7 +63,7 @@ def test_traces_match_reference(tmp_path, arch, variant, K):
     save_hf_model(hf, tmp_path / "t")
     zd = make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2], scale=3.0,
                          **DRAFT_VARIANTS[variant])
-    lm = load_model(str(tmp_path / "t"), device="cpu", with_tokenizer=False)
+    lm = load_model(str(tmp_path / "t"), LoadConfig(device="cpu", with_tokenizer=False))
     dr = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d"), num_draft_tokens=K), lm)
     prompt = [5, 17, 99, 3, 42, 8, 1, 9, 60, 61][: 4 + K]
     ref_ids, ref_lens, ref_drafts = reference_trace(zd, hf, prompt, 40, block_size=K + 1)
@@ -84,7 +84,7 @@ def test_load_packs_qkv_and_export_restores_the_checkpoint_names(tmp_path):
     hf = make_hf_model("qwen3", seed=5)
     save_hf_model(hf, tmp_path / "t")
     make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2])
-    lm = load_model(str(tmp_path / "t"), device="cpu", dtype="float32", with_tokenizer=False)
+    lm = load_model(str(tmp_path / "t"), LoadConfig(device="cpu", dtype="float32", with_tokenizer=False))
     model = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm).model
     ckpt = load_file(str(tmp_path / "d" / "model.safetensors"))
     for i, layer in enumerate(model.layers):

@@ -14,7 +14,7 @@ import pytest
 from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from blockspec.llm import LLM
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.draft_model import DraftModelProposer
 from blockspec.speculative.registry import load_proposer, method_of
@@ -30,7 +30,7 @@ DRAFTERS = ["other", "self"]
 @pytest.fixture(scope="module")
 def drafters(ckpts) -> dict[str, LoadedModel]:
     """The draft models, each loaded once: the unrelated one, and a second copy of the target."""
-    return {name: load_model(str(path), device="cpu", with_tokenizer=False)
+    return {name: load_model(str(path), LoadConfig(device="cpu", with_tokenizer=False))
             for name, path in (("other", ckpts.other), ("self", ckpts.target))}
 
 
@@ -50,7 +50,7 @@ def assert_drafts_are_greedy(draft: LoadedModel, prompts, outs) -> None:
     for i, (p, o) in enumerate(zip(prompts, outs)):
         tokens, steps = o if isinstance(o, tuple) else (o.token_ids, o.steps)
         history = p + tokens
-        for st in steps:
+        for st in (st for st in steps if st.draft):  # near the context's end a step may verify none
             want = draft_greedy(draft, history[:st.position + 1], len(st.draft))
             assert st.draft == want, f"request {i}, bonus at {st.position}: drafts {st.draft}, its greedy {want}"
 

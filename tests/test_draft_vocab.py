@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig, resolve_spec
+from blockspec.config import SpeculativeConfig
 from blockspec.errors import ConfigError
 from oracles import generate
 from blockspec.llm import LLM
+from blockspec.loading.dflash_options import resolve_spec
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.prepare import limit_draft_vocab, pack_draft
 from blockspec.sampling import SamplingParams

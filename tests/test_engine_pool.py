@@ -116,14 +116,25 @@ def test_draft_len_schedule(trained, schedule):
     run = Run(llm)
     ids = [run.add(p, sp) for p, sp in zip(prompts, params)]
     seen_k = Counter()
+    schedule_step, steps = engine.scheduler.schedule, []
+
+    def scheduling():  # the scheduler decides K' (the next drafts) for the batch it schedules (admissions included)
+        out = schedule_step()
+        steps.append((len(engine.scheduler.running), out))
+        return out
+
+    engine.scheduler.schedule = scheduling
     while engine.has_unfinished():
+        steps.clear()
         run.step()
-        batch = len(engine.scheduler.running)
-        want = min(K, schedule[max(k for k in schedule if k <= batch)]) if batch else None
-        for s in engine.scheduler.running:
-            if not s.in_prefill:
-                assert len(s.drafts) == want, (batch, s.drafts)
-                seen_k[want] += 1
+        for batch, scheduled in steps:
+            want = min(K, schedule[max(k for k in schedule if k <= batch)])
+            for s in scheduled:
+                if not s.is_prefill or s.next_k:
+                    assert s.next_k == want, (batch, s.next_k)
+                    seen_k[want] += 1
+                    # the step proposed them: a request still decoding carries exactly K' drafts
+                    assert s.seq.finished or s.seq.drafts.k == want, (batch, s.seq.drafts)
     outs = [run.final[i] for i in ids]
     assert_equal_plain(lm, prompts, params, outs)
     spec_consistency(outs)
@@ -248,11 +259,12 @@ def test_a_decode_left_without_budget_keeps_its_drafts(tiny):
     llm = LLM.from_loaded(lm, draft, max_num_seqs=3, max_num_batched_tokens=64)
     for p in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
         llm.engine.add_request(p, greedy(20, ignore_eos=True))
-    while any(s.in_prefill or not s.drafts for s in llm.engine.scheduler.running) or not llm.engine.scheduler.running:
+    while any(s.in_prefill or not s.drafts.k for s in llm.engine.scheduler.running) or not llm.engine.scheduler.running:
         llm.engine.step()
     sched = llm.engine.scheduler
-    K = len(sched.running[0].drafts)
+    K = sched.running[0].drafts.k
     sched.max_num_batched_tokens = K + 1 + 2  # the first decode whole, 2 rows of the second, none for the third
     scheduled = sched.schedule()
     assert [s.num_rows for s in scheduled] == [K + 1, 2]
-    assert [len(s.drafts) for s in sorted(sched.running, key=lambda s: s.arrival)] == [K, 1, K]
+    assert [s.k for s in scheduled] == [K, 1]  # a prefix of its drafts: the rest stay with the request
+    assert [s.drafts.k for s in sorted(sched.running, key=lambda s: s.arrival)] == [K, K, K]

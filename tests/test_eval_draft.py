@@ -22,7 +22,7 @@ from blockspec.data.eval_prompts import load_eval_prompts
 from oracles import generate
 from blockspec.layers import cpu_packed
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
@@ -79,7 +79,7 @@ def test_eval_draft_json_matches_reference_loop(pair_dirs, tmp_path, capsys):
     assert json.loads((tmp_path / "mtbench-report.json").read_text()) == report
 
     # the same prompts through the reference loops, one request at a time
-    lm = load_model(str(target), device="cpu")
+    lm = load_model(str(target), LoadConfig(device="cpu"))
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir)), lm)
     k = draft.spec.num_draft_tokens
     params = SamplingParams(max_tokens=MAX_TOKENS)
@@ -182,7 +182,7 @@ def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, c
     monkeypatch.setattr(DFlashDraftModel, "forward", forward)
     report = json.loads(out.strip().splitlines()[-1])
     assert report["full_block_drafting"] is True and report["outputs_identical"] is True
-    lm = load_model(str(target), device="cpu")
+    lm = load_model(str(target), LoadConfig(device="cpu"))
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=2, full_block_drafting=True), lm)
     lens: list[int] = []
     for text in load_eval_prompts("mtbench", LIMIT):
@@ -240,7 +240,7 @@ def test_bench_times_the_first_humaneval_prompts_with_the_chat_template(pair_dir
     assert report["prompts"] == {"set": "mtbench", "random_tokens": False, "num_prompts": 3, "chat_template": True}
     assert report["timing"] == {"order": ["spec", "plain"]} and report["config"]["prompts"] == "mtbench"
     assert report["outputs_identical"] is True and report["spec"]["mean_acceptance_length"] > 1.0
-    tok = load_model(str(target), device="cpu").tokenizer
+    tok = load_model(str(target), LoadConfig(device="cpu")).tokenizer
     assert timed == [[tok.apply_chat_template([{"role": "user", "content": text}])
                       for text in load_eval_prompts(name, 3)] for name in ("humaneval", "mtbench")]
     assert main(["bench", "--model", str(target), "--num-prompts", "165", "--device", "cpu"]) == 2

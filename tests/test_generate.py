@@ -11,7 +11,7 @@ import torch
 
 from blockspec.cli import main
 from oracles import generate
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from hf_utils import make_hf_model, save_hf_model
 
@@ -47,7 +47,7 @@ def test_sharded_checkpoint_and_subprocess_cli(tmp_path):
     hf = make_hf_model("llama", seed=4)
     hf.save_pretrained(str(tmp_path), max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    lm = load_model(str(tmp_path), device="cpu", with_tokenizer=False)
+    lm = load_model(str(tmp_path), LoadConfig(device="cpu", with_tokenizer=False))
     ours = generate(lm, [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True)).token_ids
     assert ours == hf_greedy(hf, [1, 2, 3], 10)
     p = subprocess.run([sys.executable, "-m", "blockspec", "generate", "--model", str(tmp_path), "--prompt-ids",
@@ -64,7 +64,7 @@ def test_sharded_checkpoint_and_subprocess_cli(tmp_path):
 
 def test_max_tokens_and_stop(tmp_path):
     hf = make_hf_model("qwen3", seed=5)
-    lm = load_model(str(save_hf_model(hf, tmp_path)), device="cpu", with_tokenizer=False)
+    lm = load_model(str(save_hf_model(hf, tmp_path)), LoadConfig(device="cpu", with_tokenizer=False))
     free = generate(lm, [7, 7, 7], SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
     stop = free[4]
     r = generate(lm, [7, 7, 7], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop]))

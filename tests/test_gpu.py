@@ -10,7 +10,7 @@ from blockspec.config import SpeculativeConfig
 from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.loading.prepare import limit_draft_vocab
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.gpu
 def test_cuda_fp32_matches_transformers_and_cpu(tmp_path, arch):
     hf = make_hf_model(arch, seed=21)
     d = str(save_hf_model(hf, tmp_path))
-    gpu = load_model(d, device="cuda", dtype="float32", with_tokenizer=False)
-    cpu = load_model(d, device="cpu", with_tokenizer=False)
+    gpu = load_model(d, LoadConfig(device="cuda", dtype="float32", with_tokenizer=False))
+    cpu = load_model(d, LoadConfig(device="cpu", with_tokenizer=False))
     ids = torch.randint(0, 128, (64,))
     cfg = gpu.config
     cache = DenseKVCache.allocate(cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
@@ -42,7 +42,7 @@ def test_cuda_fp32_matches_transformers_and_cpu(tmp_path, arch):
 def test_cuda_bf16_greedy_close_to_transformers(tmp_path):
     hf = make_hf_model("qwen3", seed=22)
     d = str(save_hf_model(hf, tmp_path))
-    gpu = load_model(d, device="cuda", dtype="bfloat16", with_tokenizer=False)
+    gpu = load_model(d, LoadConfig(device="cuda", dtype="bfloat16", with_tokenizer=False))
     hf = hf.to(device="cuda", dtype=torch.bfloat16)
     prompt = [7, 8, 9, 10]
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_cuda_spec_and_engine_equal_plain(tmp_path):
     hf = make_hf_model("qwen3", seed=23)
     save_hf_model(hf, tmp_path / "t")
     make_zlab_draft(hf.config, tmp_path / "d", block_size=8, target_layer_ids=[0, 2], scale=2.0)
-    lm = load_model(str(tmp_path / "t"), device="cuda", dtype="float32", with_tokenizer=False)
+    lm = load_model(str(tmp_path / "t"), LoadConfig(device="cuda", dtype="float32", with_tokenizer=False))
     dr = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm)
     prompts = [[1 + i, 2, 3 + i] * (i + 1) for i in range(6)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)

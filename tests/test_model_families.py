@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blockspec.errors import ModelLoadError
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models import registry
 from blockspec.models.config import ModelConfig
 from blockspec.models.decoder import DecoderForCausalLM, LayerTraits
@@ -45,7 +45,7 @@ def logits(lm, ids: torch.Tensor) -> torch.Tensor:
 
 
 def assert_matches_transformers(hf, d: str) -> None:
-    lm = load_model(d, device="cpu", with_tokenizer=False)
+    lm = load_model(d, LoadConfig(device="cpu", with_tokenizer=False))
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
@@ -108,11 +108,11 @@ def test_a_new_family_is_one_class_and_one_registry_line(tmp_path, own_registry)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["ToyForCausalLM"], "use_qk_norm": True}))
     with pytest.raises(ModelLoadError, match="unknown architecture 'ToyForCausalLM'"):
-        load_model(str(d), device="cpu", with_tokenizer=False)
+        load_model(str(d), LoadConfig(device="cpu", with_tokenizer=False))
 
     registry.register("ToyForCausalLM", f"{__name__}:ToyForCausalLM")  # the one line
 
-    assert type(load_model(str(d), device="cpu", with_tokenizer=False).model) is ToyForCausalLM
+    assert type(load_model(str(d), LoadConfig(device="cpu", with_tokenizer=False)).model) is ToyForCausalLM
     assert_matches_transformers(hf, str(d))
 
 

@@ -7,7 +7,7 @@ import torch
 
 from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.layers.norm import rms_norm
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from hf_utils import make_hf_model, save_hf_model
 
 ROPE = {
@@ -35,7 +35,7 @@ def run_ours(lm, ids: torch.Tensor, taps: list[int]):
 @pytest.mark.parametrize("arch,tied,rope", CASES)
 def test_logits_and_taps_match_transformers(tmp_path, arch, tied, rope):
     hf = make_hf_model(arch, tie_word_embeddings=tied, rope_scaling=ROPE[rope])
-    lm = load_model(str(save_hf_model(hf, tmp_path)), device="cpu", with_tokenizer=False)
+    lm = load_model(str(save_hf_model(hf, tmp_path)), LoadConfig(device="cpu", with_tokenizer=False))
     assert lm.config.tie_word_embeddings == tied
     ids = torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -50,7 +50,7 @@ def test_logits_and_taps_match_transformers(tmp_path, arch, tied, rope):
 
 def test_tap_order_follows_request(tmp_path):
     hf = make_hf_model("qwen3")
-    lm = load_model(str(save_hf_model(hf, tmp_path)), device="cpu", with_tokenizer=False)
+    lm = load_model(str(save_hf_model(hf, tmp_path)), LoadConfig(device="cpu", with_tokenizer=False))
     ids = torch.randint(0, 128, (20,))
     a = run_ours(lm, ids, taps=[0, 1])
     b = run_ours(lm, ids, taps=[1, 0])
@@ -61,7 +61,7 @@ def test_tap_order_follows_request(tmp_path):
 def test_incremental_decode_matches_full_forward(tmp_path):
     """Prefill then one-token steps over the dense cache give the full-sequence logits."""
     hf = make_hf_model("llama")
-    lm = load_model(str(save_hf_model(hf, tmp_path)), device="cpu", with_tokenizer=False)
+    lm = load_model(str(save_hf_model(hf, tmp_path)), LoadConfig(device="cpu", with_tokenizer=False))
     ids = torch.randint(0, 128, (30,))
     full = run_ours(lm, ids, taps=[])
     cfg = lm.config
@@ -81,8 +81,8 @@ def test_bf16_runs_close_to_fp32(tmp_path):
     hf = make_hf_model("qwen2")
     d = str(save_hf_model(hf, tmp_path))
     ids = torch.randint(0, 128, (16,))
-    f32 = run_ours(load_model(d, device="cpu", with_tokenizer=False), ids, taps=[])
-    lm16 = load_model(d, device="cpu", dtype="bfloat16", with_tokenizer=False)
+    f32 = run_ours(load_model(d, LoadConfig(device="cpu", with_tokenizer=False)), ids, taps=[])
+    lm16 = load_model(d, LoadConfig(device="cpu", dtype="bfloat16", with_tokenizer=False))
     assert next(lm16.model.parameters()).dtype == torch.bfloat16
     cfg = lm16.config
     cache = DenseKVCache.allocate(cfg.num_hidden_layers, 16, cfg.num_key_value_heads, cfg.head_dim,

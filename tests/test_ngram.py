@@ -15,7 +15,7 @@ import torch
 from blockspec.cli import main
 from blockspec.engine.outputs import StepTrace
 from blockspec.llm import LLM
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.ngram import NgramProposer, lookup
 from hf_utils import make_hf_model, save_hf_model
@@ -111,7 +111,7 @@ def successor(tmp_path_factory):
         hf.model.embed_tokens.weight.copy_(torch.eye(32))
         hf.lm_head.weight.copy_(torch.eye(32).roll(1, dims=0))
     path = save_hf_model(hf, tmp_path_factory.mktemp("successor") / "target")
-    return load_model(str(path), device="cpu", with_tokenizer=False), path
+    return load_model(str(path), LoadConfig(device="cpu", with_tokenizer=False)), path
 
 
 def ngram(ngram_max: int = NGRAM_MAX) -> NgramProposer:

@@ -283,14 +283,14 @@ def test_greedy_takes_the_first_maximum_on_ties(dtype):
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
-    from blockspec.loading.loader import load_model
+    from blockspec.loading.loader import LoadConfig, load_model
     try:
         from tests.hf_utils import make_hf_model, save_hf_model
     except ImportError:
         from hf_utils import make_hf_model, save_hf_model
 
     d = save_hf_model(make_hf_model("llama", seed=0), tmp_path_factory.mktemp("tiny_llama"))
-    return load_model(str(d), device="cpu", with_tokenizer=False)
+    return load_model(str(d), LoadConfig(device="cpu", with_tokenizer=False))
 
 
 PROMPT = [1, 17, 42, 99, 5, 64, 3]

@@ -16,7 +16,7 @@ from blockspec.cli.flags import speculative_config
 from blockspec.llm import LLM
 from blockspec.loading.bundled import find_bundled
 from blockspec.loading.bundled_draft import bundled_draft_path
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.registry import load_proposer
 from blockspec.speculative.schedule import expected_tokens
@@ -39,7 +39,7 @@ def cache(tmp_path_factory):
 
 
 def served(cpu_quant: str, max_num_seqs: int) -> LLM:
-    lm = load_model(None, device="cpu", cpu_quant=cpu_quant)
+    lm = load_model(None, LoadConfig(device="cpu", cpu_quant=cpu_quant))
     args = argparse.Namespace(draft_model=str(bundled_draft_path()), device="cpu", dtype=None, tensor_parallel_size=1)
     spec = speculative_config(args, device_defaults=True)  # as serve and generate set it up
     assert spec.full_block_drafting is True

@@ -179,10 +179,10 @@ def test_engine_failure_in_one_request_fails_it_alone(server, pair, monkeypatch)
     doomed = [5, 6, 7, 8, 9]
     original = LLMEngine.commit
 
-    def commit(self, seq, *a):  # the fault: the engine's bookkeeping of one request raises mid-generation
-        if seq.prompt_ids == doomed and len(seq.output_ids) >= 2:
+    def commit(self, result):  # the fault: the engine's bookkeeping of one request raises mid-generation
+        if result.seq.prompt_ids == doomed and len(result.seq.output_ids) >= 2:
             raise RuntimeError("injected engine fault")
-        return original(self, seq, *a)
+        return original(self, result)
 
     monkeypatch.setattr(LLMEngine, "commit", commit)
     prompts = [f"fine {i}" for i in range(4)]

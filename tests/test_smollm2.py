@@ -7,7 +7,7 @@ import torch
 
 from oracles import generate
 from blockspec.loading.bundled import find_bundled
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 
 pytestmark = [
@@ -18,7 +18,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smol():
-    return load_model(None, device="cpu")  # the bundled default, sha256-checked
+    return load_model(None, LoadConfig(device="cpu"))  # the bundled default, sha256-checked
 
 
 def test_greedy_answer_and_transformers_parity(smol):

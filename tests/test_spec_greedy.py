@@ -10,7 +10,7 @@ from blockspec.cli import main
 from blockspec.config import SpeculativeConfig
 from oracles import generate
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from dflash_utils import cli_pair, make_zlab_draft
@@ -23,7 +23,7 @@ def pair(request, tmp_path_factory):
     hf = make_hf_model(request.param, seed=11)
     save_hf_model(hf, d / "t")
     make_zlab_draft(hf.config, d / "d", block_size=16, target_layer_ids=[0, 1, 2], scale=2.0)
-    return load_model(str(d / "t"), device="cpu", with_tokenizer=False), d / "d"
+    return load_model(str(d / "t"), LoadConfig(device="cpu", with_tokenizer=False)), d / "d"
 
 
 @pytest.mark.parametrize("K", [1, 3, 15])

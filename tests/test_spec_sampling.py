@@ -19,7 +19,7 @@ from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.config import SpeculativeConfig
 from oracles import generate
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams, processed_probs
 from oracles import spec_generate
 from blockspec.speculative.verify import accept_probabilistic, accept_tokens
@@ -159,7 +159,7 @@ def models(tmp_path_factory):
     # seeds chosen so that the drafter proposes varied blocks and its argmax often matches the target's sample
     make_zlab_draft(hf.config, root / "draft", layers=1, block_size=4, target_layer_ids=[0, 1], mask_token_id=MASK,
                     seed=0)
-    lm = load_model(str(root / "target"), device="cpu", with_tokenizer=False)
+    lm = load_model(str(root / "target"), LoadConfig(device="cpu", with_tokenizer=False))
     drafts = {prob: load_draft(SpeculativeConfig(draft_model=str(root / "draft"), num_draft_tokens=K,
                                                  probabilistic_drafting=prob), lm) for prob in (False, True)}
     return lm, drafts

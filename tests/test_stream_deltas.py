@@ -13,7 +13,7 @@ import pytest
 
 from blockspec.engine.outputs import RequestOutput, StepTrace
 from blockspec.llm import LLM
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.ngram import NgramProposer
 from hf_utils import make_hf_model, save_hf_model
@@ -28,7 +28,7 @@ def lm(tmp_path_factory):
     hf = make_hf_model("llama", seed=3, vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L + 64)
     path = save_hf_model(hf, tmp_path_factory.mktemp("stream_deltas") / "target")
-    return load_model(str(path), device="cpu", with_tokenizer=False)
+    return load_model(str(path), LoadConfig(device="cpu", with_tokenizer=False))
 
 
 def _llm(lm, draft) -> LLM:

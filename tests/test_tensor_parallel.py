@@ -23,7 +23,7 @@ from blockspec.distributed.shard import check_tp_size, shard_pair
 from blockspec.errors import ConfigError
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.train.export import hf_state_dict
 from dflash_utils import make_zlab_draft
@@ -61,7 +61,7 @@ def _layers_and_model(rank: int, world: int, port: int, model_dirs: list[str]) -
         assert head_split(8, 4, rank, world) == HeadSplit(rank * 4, 4, rank * 2, 2)
 
         for d in model_dirs:  # a full forward vs this rank's shard of the same model
-            lm = load_model(d, device="cpu", with_tokenizer=False)
+            lm = load_model(d, LoadConfig(device="cpu", with_tokenizer=False))
             cfg = lm.config
             ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
             pos = torch.arange(9)
@@ -127,7 +127,7 @@ def test_engine_tp2_equals_one_device_qwen3_probabilistic_drafts(tmp_path):
     prompts = [[5, 9, 33, 2 + i] for i in range(3)]
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 2 + [
         SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
-    lm = load_model(str(target), device="cpu", with_tokenizer=False)
+    lm = load_model(str(target), LoadConfig(device="cpu", with_tokenizer=False))
     one = LLM.from_loaded(lm, load_draft(SpeculativeConfig(**spec), lm))
     want = _engine_outputs(one, prompts, params)
     tp = LLM(str(target), spec, device="cpu", tensor_parallel_size=2)
@@ -159,8 +159,8 @@ def test_cli_generate_tp2_equals_one_device(tmp_path, capsys):
 def test_bad_tensor_parallel_sizes(tmp_path):
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=0 must be an integer >= 1$"):
         EngineConfig(tensor_parallel_size=0)
-    cfg = load_model(str(save_hf_model(make_hf_model("llama"), tmp_path / "m")), device="cpu",
-                     with_tokenizer=False).config  # 4 heads, 2 kv heads, intermediate 96
+    cfg = load_model(str(save_hf_model(make_hf_model("llama"), tmp_path / "m")),
+                     LoadConfig(device="cpu", with_tokenizer=False)).config  # 4 heads, 2 kv heads, intermediate 96
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=3 must divide the target's num_attention_heads=4$"):
         check_tp_size(3, cfg, "target")
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=4 must divide the target's intermediate_size=90$"):

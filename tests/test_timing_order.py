@@ -45,13 +45,13 @@ class OneTimeCosts:
                 sleep("compile")
             return varlen(runner, scheduled)
 
-        def decode_forward(step, buf, rows):  # every decode step, launched from the host or chained (overlap)
-            graphs = step.__dict__.setdefault("test_graphs", set())  # this engine's "captured" (bucket, K + 1)
-            key = tuple(buf.input_ids.shape)
+        def decode_forward(step, buf, rows, next_k):  # every decode step, launched from the host or chained (overlap)
+            graphs = step.__dict__.setdefault("test_graphs", set())  # this engine's "captured" (bucket, K + 1, K')
+            key = (*buf.input_ids.shape, next_k)
             if key not in graphs:
                 graphs.add(key)
                 sleep("capture")
-            return forward(step, buf, rows)
+            return forward(step, buf, rows, next_k)
 
         def timed_generate(llm, prompts, *a, **k):
             t = time.perf_counter()

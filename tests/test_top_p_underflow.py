@@ -10,7 +10,7 @@ import torch
 
 from blockspec.cli import main
 from blockspec.llm import LLM
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams, SamplingRows, processed_probs, processed_probs_rows
 from hf_utils import make_hf_model, save_hf_model
 from oracles import generate
@@ -39,7 +39,7 @@ def tiny_lm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_lm_dir):
-    return load_model(str(tiny_lm_dir), device="cpu", with_tokenizer=False)
+    return load_model(str(tiny_lm_dir), LoadConfig(device="cpu", with_tokenizer=False))
 
 
 @pytest.mark.parametrize("seed", [0, None])

@@ -9,7 +9,7 @@ import torch
 
 from blockspec.data.shards import TokenSequence
 from oracles import generate
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.train.config import TrainConfig
 from blockspec.train.dataset import prepare
@@ -31,7 +31,7 @@ def tiny_target(root: Path, layers: int = 3, train_cycles: bool = False, seed: i
 
         train_target(hf)
     save_hf_model(hf, root)
-    return load_model(str(root), device="cpu", with_tokenizer=False)
+    return load_model(str(root), LoadConfig(device="cpu", with_tokenizer=False))
 
 
 def random_sequences(n: int, gen: torch.Generator, min_len: int = 12, max_len: int = 40) -> list[TokenSequence]:

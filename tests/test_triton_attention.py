@@ -94,7 +94,7 @@ def test_engine_with_triton_backend_equals_reference(tmp_path):
     from blockspec.config import SpeculativeConfig
     from blockspec.llm import LLM
     from blockspec.loading.draft_loader import load_draft
-    from blockspec.loading.loader import load_model
+    from blockspec.loading.loader import LoadConfig, load_model
     from blockspec.sampling import SamplingParams
     from dflash_utils import make_zlab_draft
     from hf_utils import make_hf_model, save_hf_model
@@ -103,7 +103,7 @@ def test_engine_with_triton_backend_equals_reference(tmp_path):
     save_hf_model(hf, tmp_path / "t")
     make_zlab_draft(hf.config, tmp_path / "d", layers=1, block_size=4, target_layer_ids=[0, 1], scale=2.0,
                     layer_types=["sliding_attention"], sliding_window=3)
-    lm = load_model(str(tmp_path / "t"), device=DEV, dtype="float32", with_tokenizer=False)
+    lm = load_model(str(tmp_path / "t"), LoadConfig(device=DEV, dtype="float32", with_tokenizer=False))
     dr = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm)
     prompts = [[5, 6, 7], list(range(1, 14)), [9]]
     params = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -19,7 +19,7 @@ from dense_cache import DenseCausalAttention, DenseKVCache
 from blockspec.attention.torch_ref import attend
 from blockspec.config import SpeculativeConfig
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from dflash_utils import make_zlab_draft
 from hf_utils import make_hf_model, save_hf_model
 
@@ -144,7 +144,7 @@ def build_trained_pair(root: Path) -> TrainedPair:
     save_hf_model(hf, root / "target")
     make_zlab_draft(hf.config, root / "draft", layers=1, block_size=BLOCK, target_layer_ids=TAPS,
                     mask_token_id=MASK, seed=0)
-    lm = load_model(str(root / "target"), device="cpu", with_tokenizer=False)
+    lm = load_model(str(root / "target"), LoadConfig(device="cpu", with_tokenizer=False))
     draft = load_draft(SpeculativeConfig(draft_model=str(root / "draft")), lm)
     assert draft.spec.num_draft_tokens == BLOCK - 1 and draft.spec.target_layer_ids == TAPS
     fc_before = draft.model.fc.weight.detach().clone()

@@ -31,7 +31,7 @@ from blockspec.llm import LLM
 from blockspec.loading.bundled import bundled_default_path
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import load_model
+from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from cpu_quant_agreement import argmaxes  # tools/, next to this script
 
@@ -100,7 +100,7 @@ def main() -> int:
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     gguf = bundled_default_path()
-    lm = load_model(None, device="cpu", cpu_packed=cpu_packed.fp32_supported(CPU), cpu_quant=args.cpu_quant)
+    lm = load_model(None, LoadConfig(device="cpu", cpu_packed=cpu_packed.fp32_supported(CPU), cpu_quant=args.cpu_quant))
     K = CPU_DRAFT_TOKENS if lm.cpu_quant == "off" else CPU_QUANT_DRAFT_TOKENS
     bf16 = cpu_packed.bf16_supported(CPU)
     draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), num_draft_tokens=K,
@@ -178,7 +178,7 @@ def teacher_forced_agreement(args: argparse.Namespace, lm, prompts: list[list[in
     """The fp32 model's greedy answers (dequantized from the same file) fed through blockspec's quantized target and
     through llama.cpp: how often each one's argmax is the fp32 model's token."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    ref = load_model(None, device="cpu")
+    ref = load_model(None, LoadConfig(device="cpu"))
     answers = [o.token_ids for o in LLM.from_loaded(ref, None, max_num_seqs=1)
                .generate(prompts, SamplingParams(max_tokens=args.max_tokens), use_tqdm=False)]
     seqs = [p + a for p, a in zip(prompts, answers)]

@@ -18,7 +18,7 @@ from blockspec.attention.torch_ref import attend, build_mask
 from blockspec.demo import DEMO_PROMPTS
 from blockspec.layers import cpu_quant
 from blockspec.llm import LLM
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.models.base import AttentionBase
 from blockspec.sampling import SamplingParams
 
@@ -52,14 +52,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=None, help="also write the result here as JSON")
     args = ap.parse_args()
-    ref = load_model(args.model, device="cpu")
+    ref = load_model(args.model, LoadConfig(device="cpu"))
     prompts = [ref.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
     answers = greedy(ref, prompts, args.max_tokens)
     result = {"model": ref.source.name, "prompts": len(prompts), "max_tokens": args.max_tokens, "modes": {}}
     for mode in ("q4", "q8"):
         if not cpu_quant.supported(mode, torch.device("cpu")):
             continue
-        lm = load_model(args.model, device="cpu", cpu_quant=mode)
+        lm = load_model(args.model, LoadConfig(device="cpu", cpu_quant=mode))
         agree = total = 0
         for prompt, answer in zip(prompts, answers):
             top1 = argmaxes(lm, prompt + answer)[len(prompt) - 1:-1]  # the prediction of each answer token

@@ -38,7 +38,7 @@ from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.errors import BlockspecError
 from blockspec.evaluation.eval_draft import eval_engine, evaluate_draft
 from blockspec.evaluation.throughput import bench
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.proposer import Proposer
 from blockspec.speculative.registry import load_proposer
@@ -235,7 +235,8 @@ def run(argv: list[str]) -> int:
                 path = getattr(args, flag)
                 if path is not None and not Path(path).exists():
                     raise BlockspecError(f"--{flag.replace('_', '-')} {path}: no such file or directory")
-            lm = load_model(args.target, device=args.device, dtype=args.dtype, batch_invariant=args.batch_invariant)
+            lm = load_model(args.target, LoadConfig(device=args.device, dtype=args.dtype,
+                                                    batch_invariant=args.batch_invariant))
         if method != "none" and method not in proposers:
             try:
                 proposers[method] = load_proposer(proposer_spec(args, method), lm)

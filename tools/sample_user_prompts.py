@@ -74,9 +74,9 @@ def main() -> None:
         p.error(f"--num ({args.num}) and --max-tokens ({args.max_tokens}) must be >= 1")
 
     from blockspec.data.exclusion import write_training_prompts
-    from blockspec.loading.loader import load_model
+    from blockspec.loading.loader import LoadConfig, load_model
 
-    lm = load_model(args.target, device=args.device)
+    lm = load_model(args.target, LoadConfig(device=args.device))
     texts, ended = sample_user_prompts(lm, args.num, temperature=args.temperature, top_p=args.top_p,
                                        max_tokens=args.max_tokens, seed=args.seed, batch=args.batch,
                                        user_start=args.user_start)

@@ -81,7 +81,7 @@ BACKENDS: dict[str, AttentionBackend] = {
     "torch": AttentionBackend(PagedTargetAttention, PagedDraftAttention, paged_ref.store, capturable=False),
     "triton": AttentionBackend(TritonTargetAttention, TritonDraftAttention, _triton_store, capturable=True),
 }
-# The target's attention in the deterministic mode, for batch-invariant targets (load_model(batch_invariant=True));
+# The target's attention in the deterministic mode, for batch-invariant targets (LoadConfig(batch_invariant=True));
 # the drafter's attention need not be: drafts only change which tokens are proposed, never which are output.
 INVARIANT = AttentionBackend(InvariantTargetAttention, TritonDraftAttention, _triton_store, capturable=True)
 

@@ -10,7 +10,8 @@ import json
 from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
-                                 add_speculative_args, add_speed_args, build_llm, engine_config, speculative_config)
+                                 add_speculative_args, add_speed_args, build_llm, engine_config, load_config,
+                                 speculative_config)
 from blockspec.config import AUTO
 from blockspec.data.eval_prompts import EVAL_SETS
 
@@ -109,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
         from blockspec.evaluation.throughput import bench
         from blockspec.loading.loader import load_model
 
-        lm = load_model(args.model, device=args.device, dtype=args.dtype, with_tokenizer=chosen != RANDOM,
-                        cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant, cpu_quant=args.cpu_quant)
+        lm = load_model(args.model, load_config(args, with_tokenizer=chosen != RANDOM))
         draft = None
         if spec is not None:
             from blockspec.speculative.registry import load_proposer

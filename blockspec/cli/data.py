@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_dist_timeout_arg, add_max_batch_size, add_max_tokens,
-                                 add_model_arg, add_sampling_args, add_speculative_args, add_speed_args,
+                                 add_model_arg, add_sampling_args, add_speculative_args, add_speed_args, load_config,
                                  speculative_config)
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def _build(args: argparse.Namespace, spec: SpeculativeConfig | None, found: Prom
 
     def load() -> tuple[LoadedModel, LoadedDraft | None]:
         device = args.device if dp is None else str(dp.device)
-        lm = load_model(args.target, device=device, dtype=args.dtype, batch_invariant=args.batch_invariant)
+        lm = load_model(args.target, load_config(args, device=device))
         if spec is None:
             return lm, None
         from blockspec.loading.draft_loader import load_draft

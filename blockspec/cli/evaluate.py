@@ -9,7 +9,7 @@ from pathlib import Path
 
 from blockspec.cli.bench import add_timing_args
 from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
-                                 add_speculative_args, add_speed_args, speculative_config)
+                                 add_speculative_args, add_speed_args, load_config, speculative_config)
 from blockspec.data.eval_prompts import EVAL_SETS
 
 
@@ -109,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
     spec = speculative_config(args, draft=None if ngram else args.draft_model or str(bundled_draft_path()))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     texts = load_eval_prompts(args.dataset, args.limit)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
-                    batch_invariant=args.batch_invariant, cpu_quant=args.cpu_quant)
+    lm = load_model(args.model, load_config(args))
     proposer = load_proposer(spec, lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
     on_gpu = next(lm.model.parameters()).device.type == "cuda"

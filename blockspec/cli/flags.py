@@ -1,7 +1,8 @@
 """The flag groups the commands share, each flag declared once: the model source, where it runs (--device, --dtype),
 the target's speed options, and the sampling, speculative and engine groups, drawn from the fields of SamplingParams,
 SpeculativeConfig and EngineConfig (config_flags.py). Each group has one function from the parsed flags back to what
-it configures, and build_llm puts them together."""
+it configures (sampling_params, load_config, speculative_config, engine_config), and build_llm puts them
+together."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from blockspec.sampling import SamplingParams  # no torch: it imports torch wher
 
 if TYPE_CHECKING:
     from blockspec.llm import LLM
+    from blockspec.loading.loader import LoadConfig
 
 
 def add_model_arg(p: argparse.ArgumentParser, flag: str = "--model", positional: bool = False) -> None:
@@ -87,6 +89,18 @@ def add_cpu_quant_arg(p: argparse.ArgumentParser, default: str = "off") -> None:
                    help=f"CPU: the target's linears on packed int8 (q8) / int4 (q4) weights, dequantized inside the "
                         f"kernel, with bf16 activations into them; auto: the fastest this CPU runs; off: as loaded "
                         f"(default: {default}). Outputs are the quantized model's (docs/perf.md)")
+
+
+def load_config(args: argparse.Namespace, **overrides: Any) -> LoadConfig:
+    """The LoadConfig of --device, --dtype and the target's speed flags (add_device_args, add_speed_args), as far as
+    the command registered them (the rest keep LoadConfig's defaults); overrides: the fields a command decides
+    itself (a rank's device, whether the prompts need a tokenizer)."""
+    from dataclasses import fields
+
+    from blockspec.loading.loader import LoadConfig  # torch: imported when a command runs, not for --help
+
+    given = {f.name: getattr(args, f.name) for f in fields(LoadConfig) if hasattr(args, f.name)}
+    return LoadConfig(**{**given, **overrides})
 
 
 def add_speculative_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),

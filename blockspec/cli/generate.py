@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_sampling_args, add_speculative_args, add_speed_args, build_llm, engine_config,
-                                 report_schedule, sampling_params, speculative_config)
+                                 load_config, report_schedule, sampling_params, speculative_config)
 from blockspec.config import AUTO
 from blockspec.errors import BlockspecError
 
@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
     spec = speculative_config(args, report_flags=["trace"], device_defaults=True)
     if args.tensor_parallel_size > 1:
         return _run_tensor_parallel(args, params)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, cpu_packed=args.cpu_packed,
-                    batch_invariant=args.batch_invariant, cpu_quant=args.cpu_quant)
+    lm = load_model(args.model, load_config(args))
     draft = load_proposer(spec, lm) if spec is not None else None
     if args.prompts_file is not None:
         return _run_prompts_file(args, lm, draft, params)

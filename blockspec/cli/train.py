@@ -134,7 +134,7 @@ def _check_fsdp(args: argparse.Namespace, is_rank: bool) -> None:
 def _train(args: argparse.Namespace, cfg: TrainConfig, dp: DataParallel | None) -> dict[str, Any]:
     """Load the target, the data and the drafter (on every rank under torchrun; a failure on one rank ends every
     rank with its message), then train."""
-    from blockspec.loading.loader import load_model
+    from blockspec.loading.loader import LoadConfig, load_model
     from blockspec.train.trainer import train
 
     def together(fn: Callable[[], T]) -> T:
@@ -145,7 +145,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, dp: DataParallel | None) 
     else:  # a sharded target is read into host memory first: it need not fit one device
         device = "cpu" if dp.fsdp else str(dp.device)
         dtype = args.dtype or ("bfloat16" if dp.device.type == "cuda" else None)
-    lm = together(lambda: load_model(args.target, device=device, dtype=dtype))
+    lm = together(lambda: load_model(args.target, LoadConfig(device=device, dtype=dtype)))
     if dp is not None and dp.fsdp:
         from blockspec.train.fsdp import shard_target
 

@@ -6,6 +6,7 @@ script that builds a tensor-parallel LLM needs the usual `if __name__ == "__main
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import queue
 import time
 
@@ -16,27 +17,31 @@ from blockspec.distributed.parallel_state import TPGroup, destroy_tp, free_port,
 from blockspec.distributed.shard import check_tp_size, shard_pair
 from blockspec.distributed.worker import ModelSpec, StepMessage, broadcast, portable, worker_main
 from blockspec.engine.llm_engine import LLMEngine
-from blockspec.engine.model_runner import ModelRunner, StepResult
+from blockspec.engine.model_runner import ModelRunner, Pending
+from blockspec.engine.observer import StepObserver
 from blockspec.engine.scheduler import ScheduledSeq
-from blockspec.engine.sequence import Sequence
+from blockspec.engine.sequence import StepResult
 from blockspec.errors import BlockspecError
 from blockspec.loading.loader import resolve_device
 
 
 class BroadcastingRunner:
-    """Stands in for rank 0's ModelRunner inside LLMEngine: tells the other ranks what to run, then runs it."""
+    """Stands in for rank 0's ModelRunner inside LLMEngine: tells the other ranks what to run, then runs it. (Overlap
+    is off under tensor parallelism: every step is launched and collected before the next.)"""
 
     def __init__(self, runner: ModelRunner, tp: TPGroup) -> None:
         self.runner, self.tp = runner, tp
 
-    def step(self, scheduled: list[ScheduledSeq]) -> list[StepResult]:
-        broadcast(self.tp, StepMessage("step", scheduled=[ScheduledSeq(portable(s.seq), s.num_rows, s.is_prefill)
+    def launch(self, scheduled: list[ScheduledSeq]) -> Pending:
+        broadcast(self.tp, StepMessage("step", scheduled=[dataclasses.replace(s, seq=portable(s.seq))
                                                           for s in scheduled]))
-        return self.runner.step(scheduled)
+        return self.runner.launch(scheduled)
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
-        broadcast(self.tp, StepMessage("propose", seqs=[portable(s) for s in seqs], ks=ks))
-        self.runner.propose(seqs, ks)
+    def collect(self, pending: Pending) -> list[StepResult]:
+        return self.runner.collect(pending)
+
+    def observe(self, observer: StepObserver) -> None:
+        self.runner.observe(observer)
 
 
 def _wait_ready(procs: list, ready, deadline_s: float = 3600.0) -> None:

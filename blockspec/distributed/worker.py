@@ -24,8 +24,9 @@ from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
-from blockspec.loading.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model, resolve_device, resolve_dtype
 from blockspec.speculative.acceptance import TargetAcceptance
+from blockspec.speculative.drafts import Drafts
 from blockspec.speculative.registry import as_proposer
 from blockspec.speculative.stats import SpecStats
 
@@ -42,28 +43,28 @@ class ModelSpec:
     def load(self, with_tokenizer: bool) -> tuple[LoadedModel, LoadedDraft | None]:
         """The full models on the CPU in the final dtype (sharded, then moved to the rank's device)."""
         dtype = str(resolve_dtype(self.dtype, resolve_device(self.device))).removeprefix("torch.")
-        lm = load_model(self.model, device="cpu", dtype=dtype, with_tokenizer=with_tokenizer)
+        lm = load_model(self.model, LoadConfig(device="cpu", dtype=dtype, with_tokenizer=with_tokenizer))
         draft = load_draft(self.speculative_config, lm) if self.speculative_config is not None else None
         return lm, draft
 
 
 @dataclass
 class StepMessage:
-    kind: str  # "step" | "propose" | "stop"
+    kind: str  # "step" | "stop"
     scheduled: list[ScheduledSeq] | None = None  # step
-    seqs: list[Sequence] | None = None  # propose
-    ks: list[int] | None = None  # propose: drafts per sequence
 
 
 def portable(seq: Sequence) -> Sequence:
-    """A copy with what the runner reads: no per-step history (trace, stats) and draft_probs on the CPU."""
-    probs = seq.draft_probs.cpu() if seq.draft_probs is not None else None
-    return dataclasses.replace(seq, trace=[], stats=SpecStats(seq.stats.num_draft_tokens), draft_probs=probs)
+    """A copy with what the runner reads: no per-step history (trace, stats), the drafts' q on the CPU."""
+    drafts = seq.drafts
+    if drafts.probs is not None:
+        drafts = Drafts(drafts.tokens, drafts.probs.cpu())
+    return dataclasses.replace(seq, trace=[], stats=SpecStats(seq.stats.num_draft_tokens), drafts=drafts)
 
 
 def _to_device(seq: Sequence, device: torch.device) -> Sequence:
-    if seq.draft_probs is not None:
-        seq.draft_probs = seq.draft_probs.to(device)
+    if seq.drafts.probs is not None:
+        seq.drafts = Drafts(seq.drafts.tokens, seq.drafts.probs.to(device))
     return seq
 
 
@@ -79,10 +80,7 @@ def serve(tp: TPGroup, runner: ModelRunner) -> None:
         msg = broadcast(tp, None)
         if msg.kind == "stop":
             return
-        if msg.kind == "step":
-            runner.step([dataclasses.replace(s, seq=_to_device(s.seq, tp.device)) for s in msg.scheduled])
-        else:
-            runner.propose([_to_device(s, tp.device) for s in msg.seqs], msg.ks)
+        runner.step([dataclasses.replace(s, seq=_to_device(s.seq, tp.device)) for s in msg.scheduled])
 
 
 def worker_main(rank: int, world: int, port: int, spec: ModelSpec, config: EngineConfig, ready) -> None:

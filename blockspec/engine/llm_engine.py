@@ -1,4 +1,7 @@
-"""LLMEngine: add requests, step, abort. Each step schedules, runs the models once, commits tokens, drafts."""
+"""LLMEngine: add requests, step, abort. Every step is the same stages in the same order: schedule -> run the models
+once (verify, sample, accept, append context, propose: engine/model_runner.py) -> commit the tokens and keep each
+request's next drafts. Under overlap the step after a decode step is enqueued before that step is read, when the
+scheduler says it is the step it would schedule anyway (Scheduler.chain)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ from typing import Callable
 
 from blockspec.attention.backends import get_backend
 from blockspec.config import AUTO, EngineConfig
-from blockspec.engine.decode_step import Launched
-from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.model_runner import ModelRunner, Pending
+from blockspec.engine.observer import StepObserver
 from blockspec.engine.outputs import FinishReason, Record, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, StepResult, check_prompt
@@ -43,8 +46,7 @@ def build_runner(lm: LoadedModel, proposer: Proposer | None, config: EngineConfi
         proposer.bind(pool)
     models = StepModels(lm.model, proposer, pool,
                         get_backend(config.attention_backend, param.device, lm.batch_invariant, lm.row_invariant))
-    return ModelRunner(models, acceptance, max_model_len, cfg.vocab_size, config.enforce_eager, config.max_num_seqs,
-                       config.split_mixed_steps)
+    return ModelRunner(models, acceptance, max_model_len, cfg.vocab_size, config)
 
 
 class LLMEngine:
@@ -69,21 +71,27 @@ class LLMEngine:
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
         self.pool, self.max_model_len = runner.models.pool, runner.max_model_len
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.min_admit)
+        self.K = proposer.num_draft_tokens if proposer is not None else 0
+        self.scheduler = Scheduler(self.blocks, config, self.K, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
-        self.K = proposer.num_draft_tokens if proposer is not None else 0
         # On the CPU a launched step has already run when launch returns: nothing would overlap, and each request
         # finishing in a step would waste its row of the chained one. Tests turn it on there to check the path.
         self.overlap = config.overlap and config.tensor_parallel_size == 1 and param.device.type == "cuda"
-        self.inflight: Launched | None = None  # a decode step enqueued and not yet collected (overlap)
+        self.inflight: Pending | None = None  # a step handed to the device and not yet collected
         self.num_overlapped_steps = 0  # steps enqueued before the previous one's tokens were read
+        self.observer = StepObserver()
+
+    def observe(self, observer: StepObserver) -> None:
+        """Hooks around every stage of every step from now on (benchmarks/step.py times them)."""
+        self.observer = observer
+        self.runner.observe(observer)
 
     def set_draft_len_schedule(self, schedule: dict[int, int] | None) -> None:
-        """{batch: K} from the next drafting on (None: K throughout); calibration sets it once measured."""
-        self.config = replace(self.config, draft_len_schedule=schedule)
+        """{batch: K} from the next schedule on (None: K throughout); calibration sets it once measured."""
+        self.config = self.scheduler.config = replace(self.config, draft_len_schedule=schedule)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     speculate: bool = True) -> str:
@@ -128,7 +136,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None  # a step in flight is collected by step()
 
-    def commit(self, seq: Sequence, new: list[int], num_accepted: int | None, kv_rows: int) -> None:
+    def commit(self, r: StepResult) -> None:
+        """A step's tokens for one request: stop and length checks, stats, prefix-cache blocks, its next drafts."""
+        seq, new, num_accepted, kv_rows = r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows
+        if num_accepted is not None and seq.speculate:
+            seq.trace.append(StepTrace(seq.num_computed, seq.drafts.tokens[:r.k], num_accepted))
         seq.num_computed += kv_rows
         reason = None
         for i, t in enumerate(new):
@@ -142,7 +154,9 @@ class LLMEngine:
         seq.output_ids.extend(new)
         if num_accepted is not None and seq.speculate:
             seq.stats.record(num_accepted, len(new))
-            seq.trace.append(StepTrace(seq.num_computed - kv_rows, seq.drafts, num_accepted))
+        if r.drafts.k:
+            seq.stats.num_draft_passes += 1
+        seq.drafts = r.drafts
         # KV rows past a stop cut belong to no token: only positions that hold a token are committed
         committed = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
         if committed // self.pool.block_size > seq.num_hashed:  # a block filled up (seq.tokens copies the sequence)
@@ -151,86 +165,39 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """One engine step. finished_only: outputs only for requests that finished (offline callers; saves copying
-        every running request's tokens and trace each step, which adds up at hundreds of requests)."""
-        seqs: list[Sequence] = []
-        if self.inflight is not None:
-            seqs = self._collect_inflight()
-            if self.inflight is not None:  # the next step is enqueued already: this call's work is done
-                return self.collect_outputs(seqs, finished_only)
-        scheduled = self.scheduler.schedule()
-        if scheduled:
-            if self.overlap and (launched := self.runner.launch_decode(scheduled)) is not None:
-                self.inflight = launched
-                seqs += self._collect_inflight()
-            else:
-                seqs += self._apply(self.runner.step(scheduled))
-        return self.collect_outputs(list(dict.fromkeys(seqs)), finished_only)
-
-    def _collect_inflight(self) -> list[Sequence]:
-        """Enqueue the next step behind the in-flight one where nothing can change between them, then read and
-        commit the in-flight one (dropping its rows of requests that finished or were aborted since it was
-        enqueued)."""
+        """One engine step: schedule and launch a step (unless one is in flight), enqueue the next one behind it
+        where the scheduler says it would schedule that same step, then collect and commit the first. finished_only:
+        outputs only for requests that finished (offline callers; saves copying every running request's tokens and
+        trace each step, which adds up at hundreds of requests)."""
+        obs = self.observer
+        if self.inflight is None:
+            with obs.stage("schedule"):
+                scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return self.collect_outputs([], finished_only)
+            with obs.stage("launch"):
+                self.inflight = self.runner.launch(scheduled)
         prev, self.inflight = self.inflight, None
-        if self._can_chain(prev):
-            self.inflight = self.runner.launch_next(prev)
-            self.num_overlapped_steps += 1
-        seqs = self._apply([r for r in self.runner.collect(prev) if not r.seq.finished])
+        if self.overlap and prev.chain_k is not None:
+            with obs.stage("chain"):
+                if self.scheduler.chain(prev.seqs, prev.chain_k):
+                    self.inflight = self.runner.launch_next(prev)
+                    self.num_overlapped_steps += 1
+        with obs.stage("collect"):
+            results = [r for r in self.runner.collect(prev) if not r.seq.finished]  # finished or aborted meanwhile
+        with obs.stage("commit"):
+            for r in results:
+                try:
+                    self.commit(r)
+                except Exception as e:  # noqa: BLE001 - one request's failure must not take the batch down
+                    r.seq.error = f"{type(e).__name__}: {e}"
+                    if not r.seq.finished:
+                        self.scheduler.finish(r.seq, FinishReason.ERROR)
         if self.inflight is not None and all(s.finished for s in self.inflight.seqs):
             self.runner.collect(self.inflight)  # enqueued for requests that have all finished now: nothing to keep
             self.inflight = None
-        return seqs
-
-    def _can_chain(self, prev: Launched) -> bool:
-        """Would the synchronous engine run the same step next, with the same drafts? The same requests (none
-        finished, none waiting to be admitted, the batch within the token budget), the same K (no schedule change,
-        no clipping near max_model_len), and free blocks for the next verify window whatever prev accepts."""
-        running, K = self.scheduler.running, prev.K
-        admit = self.scheduler.waiting and len(running) < self.config.max_num_seqs  # a full batch admits no one
-        # nothing is admitted while a step is in flight, so running differs from prev.seqs only by finished requests
-        if (admit or any(s.finished for s in prev.seqs)
-                or len(running) * (K + 1) > self.config.max_num_batched_tokens
-                or self.config.draft_len(len(running), self.K) != K and any(s.speculate for s in prev.seqs)):
-            return False
-        reach = [s.num_computed + 2 * (K + 1) for s in prev.seqs]  # prev's window, then the next one at most
-        if max(reach) > self.max_model_len - 1:
-            return False
-        need = sum(self.blocks.blocks_needed(s.block_table, r) for s, r in zip(prev.seqs, reach))
-        if not self.blocks.can_allocate(need):
-            return False
-        for s, r in zip(prev.seqs, reach):
-            self.blocks.grow(s.block_table, r)
-        return True
-
-    def _apply(self, results: list[StepResult]) -> list[Sequence]:
-        """Commit a step's tokens, then give each request still decoding its next drafts."""
-        for r in results:
-            try:
-                self.commit(r.seq, r.new_tokens, r.num_accepted, r.num_kv_rows)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not take the batch down
-                r.seq.error = f"{type(e).__name__}: {e}"
-                if not r.seq.finished:
-                    self.scheduler.finish(r.seq, FinishReason.ERROR)
-        K = self.config.draft_len(len(self.scheduler.running), self.K)
-        chained = {id(s) for s in self.inflight.seqs} if self.inflight is not None else set()
-        to_draft, ks = [], []
-        for r in results:
-            seq = r.seq
-            if seq.finished or seq.in_prefill:
-                continue
-            in_flight = id(seq) in chained  # its next step, in flight, verifies these drafts whatever K is now
-            k = min(K, self.max_model_len - 1 - seq.num_computed) if seq.speculate else 0
-            if r.next_drafts is not None and (len(r.next_drafts) == k or in_flight):  # drafted by the decode step
-                seq.drafts, seq.draft_probs = r.next_drafts, None
-                seq.stats.num_draft_passes += 1
-            elif k > 0 and not in_flight:
-                to_draft.append(seq)
-                ks.append(k)
-            else:
-                seq.drafts, seq.draft_probs = [], None
-        if to_draft:
-            self.runner.propose(to_draft, ks)
-        return [r.seq for r in results]
+        with obs.stage("outputs"):
+            return self.collect_outputs([r.seq for r in results], finished_only)
 
     def collect_outputs(self, seqs: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
         """An output per request with something new: what is new since its previous output (O(new), never its

@@ -3,32 +3,47 @@
 Every step the running decodes go first (each needs 1 + K rows, the bonus and its drafts, and KV slots for them;
 the next draft block needs none, its K/V are never stored), then unfinished prefills, then waiting requests, chunked to fit the token budget. When the pool runs out of
 blocks the newest running request is preempted: its blocks are released (full committed blocks stay in the prefix
-cache) and it re-enters the waiting queue at the front, to be recomputed later with unchanged output."""
+cache) and it re-enters the waiting queue at the front, to be recomputed later with unchanged output.
+
+Each scheduled request also gets the number of drafts its step proposes for the step after (the draft length
+schedule's K at this batch size, clipped near the end of the context): every step proposes, on every path.
+
+Under overlap (engine/llm_engine.py) the scheduler also decides whether the step after an in-flight decode step can
+be enqueued before that step's tokens are read (chain): only when schedule() would give the same step."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from blockspec.config import EngineConfig
 from blockspec.engine.outputs import FinishReason
 from blockspec.engine.sequence import Sequence, SeqStatus
 from blockspec.kv.block_manager import BlockManager
+from blockspec.speculative.drafts import NO_DRAFTS
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_rows: int  # rows in this step's target forward: a prefill chunk, or 1 + len(drafts)
+    num_rows: int  # rows in this step's target forward: a prefill chunk, or 1 + k (the bonus and k drafts)
     is_prefill: bool
+    next_k: int = 0  # drafts to propose from the request's new bonus (0: none, or its prefill goes on)
+
+    @property
+    def k(self) -> int:
+        """Drafts verified this step: a prefix of seq.drafts (the token budget may leave fewer rows)."""
+        return 0 if self.is_prefill else self.num_rows - 1
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 min_admit: int = 1) -> None:
-        self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.min_admit = min(min_admit, max_num_seqs)  # see EngineConfig.min_admit
+    def __init__(self, blocks: BlockManager, config: EngineConfig, max_draft_len: int, max_model_len: int) -> None:
+        """max_draft_len: the proposer's K (0: plain decoding); the draft length schedule in config picks K <= it."""
+        self.blocks, self.config = blocks, config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.min_admit = min(config.min_admit, config.max_num_seqs)  # see EngineConfig.min_admit
+        self.max_draft_len, self.max_model_len = max_draft_len, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -43,7 +58,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
         seq.num_computed = seq.num_hashed = 0
-        seq.drafts, seq.draft_probs = [], None
+        seq.drafts = NO_DRAFTS
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -70,10 +85,8 @@ class Scheduler:
             prefill = seq.in_prefill
             if prefill:
                 rows = min(seq.prefill_len - seq.num_computed, budget)
-            else:
-                rows = min(1 + len(seq.drafts), budget)
-                if 0 < rows <= len(seq.drafts):  # a request left without budget keeps its drafts for a later step
-                    seq.drafts = seq.drafts[: rows - 1]
+            else:  # a request left without budget verifies a prefix of its drafts
+                rows = min(1 + seq.drafts.k, budget)
             if rows <= 0:
                 continue
             if not self._reserve(seq, seq.num_computed + rows):
@@ -81,9 +94,8 @@ class Scheduler:
                 continue
             out.append(ScheduledSeq(seq, rows, prefill))
             budget -= rows
-        if self.running and self.max_num_seqs - len(self.running) < min(self.min_admit, len(self.waiting)):
-            return out  # decoding continues on the graph until a group of waiting requests fits
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        admit = self._admits()  # once: a group being admitted is not cut short by its own first members
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq.tokens, seq.prefill_len - 1)
             seq.block_table.extend(hits)
@@ -101,7 +113,42 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, rows, True))
             budget -= rows
+        K = self.config.draft_len(len(self.running), self.max_draft_len)
+        for s in out:
+            if not s.is_prefill or s.seq.num_computed + s.num_rows == s.seq.prefill_len:
+                s.next_k = self._next_k(s.seq, s.seq.num_computed + s.num_rows, K)
         return out
+
+    def _admits(self) -> bool:
+        """Whether a waiting request may be admitted now: a free row, and while others decode, room for a group of
+        min_admit (decoding continues on the graph until a group of waiting requests fits)."""
+        free = self.max_num_seqs - len(self.running)
+        return bool(self.waiting) and free > 0 and not (self.running and free < min(self.min_admit, len(self.waiting)))
+
+    def _next_k(self, seq: Sequence, end: int, K: int) -> int:
+        """Drafts to propose for a request whose KV reaches at most `end` positions after this step: its next verify
+        window (bonus at <= end, then the drafts) must end inside the context."""
+        return max(0, min(K, self.max_model_len - 1 - end)) if seq.speculate else 0
+
+    def chain(self, seqs: list[Sequence], K: int) -> bool:
+        """Would schedule() run the step after an in-flight decode step of `seqs` (each verifying K drafts and
+        proposing K) as that same step? The same requests (none finished, none waiting to be admitted, the batch
+        within the token budget), the same K for the next drafts, whatever the in-flight step accepts. If so, their
+        blocks are reserved for its verify window at most and True is returned; nothing is preempted (where
+        schedule() might preempt, the engine waits for the in-flight step instead)."""
+        if (self._admits() or len(self.running) != len(seqs) or any(s.finished for s in seqs)
+                or len(seqs) * (K + 1) > self.max_num_batched_tokens):
+            return False
+        sched_k = self.config.draft_len(len(seqs), self.max_draft_len)
+        reach = [s.num_computed + 2 * (K + 1) for s in seqs]  # the in-flight window, then the chained one at most
+        if any(self._next_k(s, r, sched_k) != K for s, r in zip(seqs, reach)):
+            return False
+        need = sum(self.blocks.blocks_needed(s.block_table, r) for s, r in zip(seqs, reach))
+        if not self.blocks.can_allocate(need):
+            return False
+        for s, r in zip(seqs, reach):
+            self.blocks.grow(s.block_table, r)
+        return True
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

@@ -12,6 +12,7 @@ from blockspec.engine.outputs import FinishReason, StepTrace
 from blockspec.errors import BlockspecError
 from blockspec.host_tensors import host_tensor
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.drafts import NO_DRAFTS, Drafts
 from blockspec.speculative.stats import SpecStats
 
 
@@ -39,8 +40,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens from position 0 whose target KV and draft context are in the pool
     num_hashed: int = 0  # leading blocks registered in the prefix cache
-    drafts: list[int] = field(default_factory=list)  # proposals for the tokens after the bonus
-    draft_probs: torch.Tensor | None = None  # [K, V] q of sampled drafts (probabilistic drafting only)
+    drafts: Drafts = NO_DRAFTS  # proposals for the tokens after the bonus (the propose stage's record)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     trace: list[StepTrace] = field(default_factory=list)
@@ -79,7 +79,8 @@ class StepResult:
     new_tokens: list[int]  # tokens committed this step (before stop/max_tokens cuts)
     num_accepted: int | None  # drafts accepted (verify rows only)
     num_kv_rows: int  # rows whose target KV + proposer context became valid this step
-    next_drafts: list[int] | None = None  # the next block's drafts, when the step drafted them already
+    drafts: Drafts  # the next block, proposed from the new bonus (NO_DRAFTS: none asked, or the prefill goes on)
+    k: int = 0  # drafts verified this step (a prefix of seq.drafts)
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int, max_len: int) -> None:

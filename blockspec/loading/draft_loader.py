@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import ResolvedSpec, SpeculativeConfig, resolve_spec
+from blockspec.config import SpeculativeConfig
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
+from blockspec.loading.dflash_options import ResolvedSpec, resolve_spec
 from blockspec.loading.loader import LoadedModel
 from blockspec.loading.prepare import prepare_draft
 from blockspec.loading.source import resolve_source

@@ -16,6 +16,24 @@ from blockspec.models.config import ModelConfig, parse_dtype
 from blockspec.models.registry import build_model
 
 
+@dataclass(frozen=True)
+class LoadConfig:
+    """How load_model builds a target: where it runs, in which dtype, and the platform variant of its linears
+    (loading/prepare.py, TargetOptions). One record, handed whole by the commands, the LLM facade and the draft-model
+    load (speculative/registry.py), so that a new load option is added here and not at every call on the way."""
+
+    device: str | None = None  # cpu | cuda | cuda:N; None: cuda when available, else cpu
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: float32 on CPU, bfloat16 on GPU (resolve_dtype)
+    cpu_packed: bool = False  # CPU: every linear packed once for oneDNN in its own dtype (the drafter follows)
+    batch_invariant: bool = False  # GPU: GEMMs and attention computed per row independently of the batch
+    cpu_quant: str = "off"  # auto | q8 | q4 | off: CPU linears on packed int8 / int4 weights; auto resolved at load
+    with_tokenizer: bool = True  # False: no tokenizer read (drafters, token-id-only tests and benchmarks)
+
+    def target_options(self) -> TargetOptions:
+        """The options prepare_target reads (cpu_quant still unresolved: TargetOptions.resolve does that)."""
+        return TargetOptions(self.cpu_packed, self.batch_invariant, self.cpu_quant)
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -23,9 +41,10 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     stop_token_ids: list[int]  # from generation_config, config and tokenizer
     source: ModelSource
-    cpu_packed: bool = False  # the linears are packed for oneDNN (load_model(cpu_packed=True)); the drafter follows
+    # what the model was loaded with (LoadConfig), as the engine and the reports read it; cpu_quant resolved
+    cpu_packed: bool = False  # the linears are packed for oneDNN (LoadConfig.cpu_packed); the drafter follows
     batch_invariant: bool = False  # GEMMs and attention computed per row independently of the batch (GPU)
-    cpu_quant: str = "off"  # q4 | q8: the linears run on packed int4 / int8 weights (load_model(cpu_quant=...))
+    cpu_quant: str = "off"  # q4 | q8: the linears run on packed int4 / int8 weights (LoadConfig.cpu_quant, never auto)
 
     @property
     def row_invariant(self) -> bool:
@@ -75,13 +94,13 @@ def instantiate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> n
     return model
 
 
-def load_model(src: str | None, device: str | None = None, dtype: str | None = None, with_tokenizer: bool = True,
-               cpu_packed: bool = False, batch_invariant: bool = False, cpu_quant: str = "off") -> LoadedModel:
-    """cpu_packed / batch_invariant / cpu_quant: the platform variants of the linears (loading/prepare.py,
-    TargetOptions)."""
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    options = TargetOptions(cpu_packed, batch_invariant, cpu_quant).resolve(dev)
+def load_model(src: str | None, config: LoadConfig | None = None) -> LoadedModel:
+    """The target at `src` (None: the bundled default) built as `config` says (None: LoadConfig's defaults); the
+    platform options are checked before any weight is read."""
+    config = config or LoadConfig()
+    dev = resolve_device(config.device)
+    dt = resolve_dtype(config.dtype, dev)
+    options = config.target_options().resolve(dev)
     options.check(dev, dt)
     source = resolve_source(src)
     cfg_name = source.path / "config.json" if source.path.is_dir() else source.path  # name the file in errors
@@ -90,6 +109,6 @@ def load_model(src: str | None, device: str | None = None, dtype: str | None = N
     load_weights(model, source.tensors(), str(source.path))
     model.eval()
     prepare_target(model, options)
-    tok = source.load_tokenizer() if with_tokenizer else None
-    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, cpu_packed,
-                       batch_invariant, options.cpu_quant)
+    tok = source.load_tokenizer() if config.with_tokenizer else None
+    return LoadedModel(model, cfg, tok, _stop_ids(cfg, source.generation_config, tok), source, config.cpu_packed,
+                       config.batch_invariant, options.cpu_quant)

@@ -47,15 +47,29 @@ class ForcedAcceptance(AcceptancePolicy):
         return chosen, (int(want) + (u < want - int(want)).long()).clamp_max(K)
 
 
-def accept_sampled_drafts(drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, rows: SamplingRows,
-                          start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's p/q rejection for drafts sampled from q (probabilistic drafting): drafts [K], q [K, V], the
-    target's verify logits [K+1, V] under the request's sampling rows. Uniforms are keyed by the draft positions,
-    the residual sample by the block start, so the result does not depend on the batch."""
-    K = drafts.shape[0]
-    probs = processed_probs_rows(logits, rows)
-    seed, device = rows.seeds[:1], logits.device
-    u = rng.uniform(seed.expand(K), torch.arange(start + 1, start + K + 1, device=device), rng.STREAM_ACCEPT, 1)
-    noise = rng.exponential(seed, torch.tensor([start], device=device), rng.STREAM_RESIDUAL, probs.shape[-1])
-    tokens, n = accept_probabilistic(drafts[None], probs[None], q[None], u.T, noise)
-    return tokens[0], n
+def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, rows: SamplingRows,
+                   start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p/q rejection of drafts sampled from q: drafts [B, K], q [B, K, V], the target's verify logits [B, K+1, V],
+    the requests' sampling rows [B] and bonus positions `start` [B] -> (emitted tokens [B, K+1], num_accepted [B]).
+    Uniforms are keyed by the draft positions, the residual sample by the block start."""
+    B, K1, V = logits.shape
+    K = K1 - 1
+    p = processed_probs_rows(logits.reshape(B * K1, V), rows.repeat(K1)).view(B, K1, V)
+    pos = (start[:, None] + 1 + torch.arange(K, device=start.device)).flatten()
+    u = rng.uniform(rows.seeds.repeat_interleave(K), pos, rng.STREAM_ACCEPT, 1).view(B, K)
+    noise = rng.exponential(rows.seeds, start, rng.STREAM_RESIDUAL, V)
+    return accept_probabilistic(drafts, p, q, u, noise)
+
+
+def accept_block(policy: AcceptancePolicy, drafts: torch.Tensor, chosen: torch.Tensor, rows: SamplingRows,
+                 start: torch.Tensor, q: torch.Tensor | None = None,
+                 logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of verify blocks: drafts [G, K], the target's choices chosen [G, K+1], sampling rows [G], bonus
+    positions start [G]; with sampled drafts also their q [G, K, V] and the verify logits [G, K+1, V]. Greedy rows
+    (and every row without q) go through the policy, sampled rows through p/q rejection."""
+    tokens, n = policy.accept(drafts, chosen, rows.seeds, start)
+    if q is None or rows.all_greedy:
+        return tokens, n
+    sampled_tokens, sampled_n = accept_sampled(drafts, q, logits, rows, start)
+    sampled = rows.temperature > 0
+    return torch.where(sampled[:, None], sampled_tokens, tokens), torch.where(sampled, sampled_n, n)

@@ -7,7 +7,7 @@ from typing import Callable
 from blockspec.config import DEFAULT_NGRAM_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, SpeculativeConfig
 from blockspec.errors import ConfigError
 from blockspec.loading.draft_loader import LoadedDraft, load_draft
-from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.loading.source import resolve_source
 from blockspec.speculative.dflash import DFlashProposer
 from blockspec.speculative.draft_model import DraftModelProposer
@@ -29,8 +29,10 @@ def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
         raise ConfigError(f"num_draft_tokens is required with method 'draft-model'{why} (K drafts per step, e.g. 4)",
                           field="num_draft_tokens")
     param = next(target.model.parameters())
-    draft = load_model(spec.draft_model, device=str(param.device), dtype=str(param.dtype).removeprefix("torch."),
-                       with_tokenizer=False, cpu_packed=target.cpu_packed)
+    # the draft model runs beside the target: on its device, in its dtype, packed for oneDNN where the target is
+    config = LoadConfig(device=str(param.device), dtype=str(param.dtype).removeprefix("torch."), with_tokenizer=False,
+                        cpu_packed=target.cpu_packed)
+    draft = load_model(spec.draft_model, config)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ConfigError(f"{spec.draft_model}: draft model vocab_size={draft.config.vocab_size} differs from the "
                           f"target's vocab_size={target.config.vocab_size}; a draft model must share the target's "

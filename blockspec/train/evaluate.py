@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from blockspec.config import SpeculativeConfig, resolve_spec
+from blockspec.config import SpeculativeConfig
+from blockspec.loading.dflash_options import resolve_spec
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashDraftModel

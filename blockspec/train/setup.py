@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from blockspec.config import SpeculativeConfig, resolve_spec
+from blockspec.config import SpeculativeConfig
 from blockspec.errors import BlockspecError
+from blockspec.loading.dflash_options import resolve_spec
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_config import DFlashConfig
