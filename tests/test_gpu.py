@@ -130,6 +130,25 @@ def test_cuda_fp32_engine_equals_cpu_engine():
     assert max(max(a) for _, a in cpu if a) > 3  # real acceptance, not a drafter that never hits
 
 
+def test_cuda_probabilistic_drafting_in_the_graph_equals_eager_and_cpu():
+    """Sampled drafts (p/q rejection) run inside the captured decode step, their q carried on the device from step to
+    step (chained under overlap): captured, eager and CPU runs agree in fp32."""
+    import dataclasses
+
+    from trained_pair import trained_pair
+
+    def sampled(d):
+        return dataclasses.replace(d, spec=dataclasses.replace(d.spec, probabilistic_drafting=True))
+
+    pair = trained_pair()
+    cpu, _ = _run(pair.lm, sampled(pair.draft))
+    lm, draft = _on_cuda(pair, torch.float32)
+    graph, dec = _run(lm, sampled(draft))
+    assert dec.capture and any(key[3] is False for key in dec.graphs)  # a graph of sampled (not all-greedy) rows
+    eager, _ = _run(lm, sampled(draft), enforce_eager=True)
+    assert graph == eager == cpu
+
+
 def test_cuda_full_block_drafting_graph_equals_eager_and_cpu():
     # K = 2 drafts taken from a block of the trained size: captured, eager and CPU runs agree in fp32
     import dataclasses
