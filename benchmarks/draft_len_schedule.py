@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from blockspec.config import SpeculativeConfig
-from blockspec.data.builder import encode_prompts
-from blockspec.engine.calibrate import measure_acceptance
 from blockspec.data.eval_prompts import load_eval_prompts
+from blockspec.data.prompts import encode_prompts
+from blockspec.engine.calibrate import measure_acceptance
 from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import LoadedDraft, load_draft

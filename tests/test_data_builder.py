@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
-import blockspec.data.builder as builder
-from blockspec.data.builder import build_dataset
+import blockspec.train.data_builder as builder
 from blockspec.data.eval_prompts import load_eval_items, load_eval_prompts
+from blockspec.data.prompts import encode_prompts
 from blockspec.data.shards import read_manifest, read_shards
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.errors import BlockspecError
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
+from blockspec.train.data_builder import build_dataset
 from hf_utils import make_hf_model, save_hf_model
 from test_data import SHAREGPT, write
 
@@ -103,7 +104,7 @@ def test_sampled_seeds_follow_the_prompt_not_the_chunk(target, tmp_path, monkeyp
     chunks of 2 prompts, streamed together, give the data of one single chunk."""
     kw = dict(max_tokens=10, temperature=1.0, seed=3, max_num_seqs=2, use_tqdm=False)
     build_dataset(target, TRAIN, tmp_path / "one", **kw)  # 6 prompts < 8 batches of 2: one chunk
-    monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 1)
+    monkeypatch.setattr("blockspec.train.data_builder.CHUNK_BATCHES", 1)
     build_dataset(target, TRAIN, tmp_path / "three", **kw)
     one, three = ([s.input_ids.tolist() for s in read_shards(tmp_path / d)] for d in ("one", "three"))
     assert one == three and len({tuple(x) for x in one}) == 6
@@ -117,7 +118,7 @@ def test_a_request_the_engine_fails_is_left_out(target, tmp_path, monkeypatch):
             raise RuntimeError("injected")
         return real(self, result)
 
-    first_prompt = builder.encode_prompts(target, TRAIN[:1], True)[0]
+    first_prompt = encode_prompts(target, TRAIN[:1], True)[0]
     monkeypatch.setattr(LLMEngine, "commit", fails_once)
     m = build_dataset(target, TRAIN, tmp_path / "d", max_tokens=6, use_tqdm=False)
     assert m.num_sequences == 5 and m.meta["finish_reasons"]["error"] == 1
@@ -135,7 +136,7 @@ def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
     # max_num_seqs=1 -> chunks of 4 prompts: the 6 prompts are 2 chunks. A run killed before the second chunk is
     # written keeps the first; the same command then generates only the second and the result equals an
     # uninterrupted run.
-    monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 4)
+    monkeypatch.setattr("blockspec.train.data_builder.CHUNK_BATCHES", 4)
     kw = dict(max_tokens=8, max_num_seqs=1, use_tqdm=False)
     build_dataset(target, TRAIN, tmp_path / "whole", **kw)
     real_write = builder.write_shards
@@ -165,7 +166,7 @@ def test_build_dataset_interrupted_run_continues(target, tmp_path, monkeypatch):
 def test_chunks_stream_through_one_engine_and_equal_separate_runs(target, tmp_path, monkeypatch):
     """Every chunk's requests go to one engine at once (the next chunk fills the batch while one drains); the data
     equals generating each chunk alone, chunk by chunk, in order."""
-    monkeypatch.setattr("blockspec.data.builder.CHUNK_BATCHES", 1)
+    monkeypatch.setattr("blockspec.train.data_builder.CHUNK_BATCHES", 1)
     added, at_write, real_write = _spy_add_request(monkeypatch), [], builder.write_shards
     monkeypatch.setattr(builder, "write_shards", lambda *a, **k: at_write.append(len(added)) or real_write(*a, **k))
     m = build_dataset(target, TRAIN, tmp_path / "streamed", max_tokens=12, max_num_seqs=2, use_tqdm=False)

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.config import DEFAULT_NGRAM_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, SpeculativeConfig
-from blockspec.data.builder import encode_prompts
 from blockspec.data.eval_prompts import load_eval_prompts
+from blockspec.data.prompts import encode_prompts
 from blockspec.errors import BlockspecError
 from blockspec.evaluation.eval_draft import eval_engine, evaluate_draft
 from blockspec.evaluation.throughput import bench

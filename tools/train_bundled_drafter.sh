@@ -51,7 +51,7 @@ for prompts in $PROMPTS; do
     continue
   fi
   # stopped by GEN_SECONDS (timeout's 124, or 137 after its kill): each finished chunk is a data directory of its
-  # own (blockspec/data/builder.py), and the same command generates the rest later
+  # own (blockspec/train/data_builder.py), and the same command generates the rest later
   for part in "$dir"/parts/part-*; do
     [ -f "$part/manifest.json" ] || continue
     cp "$part/manifest.json" "$OUT/manifest-data-$name-$(basename "$part").json"

@@ -80,8 +80,8 @@ def bench_prompts(lm: LoadedModel, args: argparse.Namespace, chosen: str) -> tup
         length = args.prompt_len or RANDOM_LEN
         return (synthetic_prompts(lm.config.vocab_size, args.num_prompts, length),
                 {"set": RANDOM, "random_tokens": True, "num_prompts": args.num_prompts, "prompt_len": length})
-    from blockspec.data.builder import encode_prompts
     from blockspec.data.eval_prompts import load_eval_prompts
+    from blockspec.data.prompts import encode_prompts
 
     texts = load_eval_prompts(chosen)
     if args.num_prompts > len(texts):

@@ -75,8 +75,8 @@ def _build(args: argparse.Namespace, spec: SpeculativeConfig | None, found: Prom
            dp: DataParallel | None) -> Manifest:
     """Load the target (and drafter) and write the data; under torchrun each rank generates a share of the
     prompts, a failure to load on one rank ends every rank with its message."""
-    from blockspec.data.builder import build_dataset
     from blockspec.loading.loader import load_model
+    from blockspec.train.data_builder import build_dataset
 
     def load() -> tuple[LoadedModel, LoadedDraft | None]:
         device = args.device if dp is None else str(dp.device)

@@ -91,8 +91,8 @@ def _table(r: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockspec.data.builder import encode_prompts
     from blockspec.data.eval_prompts import load_eval_prompts
+    from blockspec.data.prompts import encode_prompts
     from blockspec.errors import BlockspecError
     from blockspec.evaluation.eval_draft import evaluate_draft
     from blockspec.evaluation.plot import write_acceptance_png

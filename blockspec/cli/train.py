@@ -191,9 +191,9 @@ def _generate(lm: LoadedModel, args: argparse.Namespace, data_dir: Path, dp: Dat
         if dp is None or dp.main:
             print(f"reusing training data in {data_dir}", file=sys.stderr)
         return data_dir
-    from blockspec.data.builder import build_dataset
     from blockspec.data.prompts import read_prompts
     from blockspec.errors import BlockspecError
+    from blockspec.train.data_builder import build_dataset
 
     if args.prompt_limit is not None and args.prompt_limit < 1:
         raise BlockspecError(f"--prompt-limit must be >= 1, got {args.prompt_limit}")
@@ -206,7 +206,7 @@ def _generate(lm: LoadedModel, args: argparse.Namespace, data_dir: Path, dp: Dat
 
 def _eval_prompts(lm, args: argparse.Namespace) -> list[list[int]]:
     """Held-out prompts as token ids: the first N of --eval-prompts, or of the shipped --eval-set."""
-    from blockspec.data.builder import encode_prompts
+    from blockspec.data.prompts import encode_prompts
     from blockspec.errors import BlockspecError
 
     n = args.eval_num_prompts if args.eval_num_prompts is not None else (0 if args.fsdp else 8)
