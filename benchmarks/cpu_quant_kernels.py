@@ -3,9 +3,12 @@ one forward (30 layers of q|k|v, o, gate|up, down, each layer its own weights so
 decode step; then the 49,152 x 576 head) at 1, 4, 5 and 16 rows (a decode step, a verify step of K = 3 and 4, a
 draft block). Random weights; the kernels do not look at the values.
   f32 / bf16: oneDNN on a weight packed once (layers/cpu_packed.py)
-  q4 / q8:    torch's int4 (groups of 32) / int8 (per row) packed matmuls on bf16 activations (layers/cpu_quant.py)
+  q4 / q8:    torch's int4 (groups of 32) / int8 (per row) packed matmuls on bf16 activations (layers/cpu_quant.py;
+              q4 is the fallback where the native kernel does not build)
   vnni:       oneDNN int8 x int8 (AVX512-VNNI) on int8 weights, each row's activations quantized to int8 first
-Usage: python -m benchmarks.cpu_quant_kernels [--threads 1,2] [--kinds f32,bf16,q4,q8,vnni]"""
+  native:     blockspec's own Q4 x Q8 kernel (blockspec/native/q4gemm.c) on the q4 codes, fp32 activations
+              quantized to int8 per block of 32 inside (what q4 runs where the kernel builds)
+Usage: python -m benchmarks.cpu_quant_kernels [--threads 1,2] [--kinds f32,bf16,q4,q8,vnni,native]"""
 
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ def vnni(w: torch.Tensor) -> Linear:
 KINDS: dict[str, Callable[[torch.Tensor], Linear]] = {
     "f32": lambda w: PackedLinear(w, None, torch.float32, 16),
     "bf16": lambda w: PackedLinear(w, None, torch.bfloat16, 16),
-    "q4": lambda w: cpu_quant.quantize("q4", w, None),
+    "q4": lambda w: cpu_quant.Int4Linear(w, None),
     "q8": lambda w: cpu_quant.quantize("q8", w, None),
     "vnni": vnni,
+    "native": lambda w: cpu_quant.NativeQ4Linear(w, None),
 }
 
 

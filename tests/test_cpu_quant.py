@@ -20,6 +20,7 @@ from blockspec.config import SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.layers import cpu_quant
 from blockspec.layers.cpu_quant import Int4Linear, Int8Linear, QuantLinear, quantize, reference_weight
+from blockspec.native import q4
 from blockspec.llm import LLM
 from blockspec.loading.bundled import find_bundled
 from blockspec.loading.draft_loader import load_draft
@@ -36,6 +37,25 @@ MODES = [m for m in ("q4", "q8") if cpu_quant.supported(m, CPU)]
 pytestmark = pytest.mark.skipif(not MODES, reason="no vectorized torch quantized CPU kernel here")
 # docs/perf.md: inputs are rounded to bf16 and each output to bf16 (2^-9 relative), accumulation is fp32
 RTOL = 2 ** -8
+# every kernel a mode may run: torch's (bf16 activations) where they work here, blockspec's q4 where it builds
+KERNELS = ([(m, cls) for m, cls in (("q4", Int4Linear), ("q8", Int8Linear)) if cpu_quant._works(m)]
+           + ([("q4", cpu_quant.NativeQ4Linear)] if q4.library() is not None else []))
+
+
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the native kernel sees it: per block of 32, int8 codes (round half to even) times max|x| / 127."""
+    b = x.float().reshape(-1, x.shape[-1] // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    codes = torch.round(b * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
+    return (codes * (amax / 127)).view(x.shape)
+
+
+def kernel_reference(cls: type, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What a kernel computes for x [M, K] on its dequantized weight: torch's kernels on bf16-rounded inputs, blockspec's
+    on int8-quantized ones (fp32 accumulation either way)."""
+    if cls is cpu_quant.NativeQ4Linear:
+        return (q8_rows(x).double() @ weight.double().T).float()
+    return x.bfloat16().float() @ weight.T
 
 
 def greedy(n: int) -> SamplingParams:
@@ -60,13 +80,14 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,cls", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_quantized_linear_equals_the_dequantized_reference(mode, bias):
+def test_quantized_linear_equals_the_dequantized_reference(mode, cls, bias):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(80, 96, generator=g) * 0.05, torch.randn(80, generator=g) if bias else None
-    lin = quantize(mode, w, b)
-    assert isinstance(lin, Int4Linear if mode == "q4" else Int8Linear) and not hasattr(lin, "weight")
+    lin = cls(w, b)
+    assert type(quantize(mode, w, b)) is (cpu_quant.NativeQ4Linear if mode == "q4" and q4.library() else cls)
+    assert not hasattr(lin, "weight")
     ref_w = reference_weight(mode, w)
     # the reference is a quantization of w: int4 in groups of 32 (a step is 1/15 of a group's range), int8 per row
     step = (w.abs().amax(-1, keepdim=True) / 127 if mode == "q8"
@@ -77,7 +98,7 @@ def test_quantized_linear_equals_the_dequantized_reference(mode, bias):
         x = torch.randn(*shape, generator=g).to(dtype)
         y = lin(x)
         assert y.dtype == dtype and y.shape == (*shape[:-1], 80)
-        ref = x.bfloat16().float() @ ref_w.T + (b if bias else 0)
+        ref = kernel_reference(cls, x.reshape(-1, 96), ref_w).view(*shape[:-1], 80) + (b if bias else 0)
         scale = float(ref.abs().max()) if ref.numel() else 1.0
         torch.testing.assert_close(y.float(), ref, rtol=RTOL, atol=RTOL * scale)
 
@@ -96,13 +117,13 @@ def test_q4_keeps_the_codes_of_a_q4_1_gguf():
     assert ((reference_weight("q4", w) - w).abs().view(64, 6, 32) <= 0.08 * d).all()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_each_row_is_computed_alone(mode, threads):
+@pytest.mark.parametrize("mode,cls", KERNELS)
+def test_each_row_is_computed_alone(mode, cls, threads):
     """Rows of an M-row call equal the same rows computed alone, bit for bit, at every M a decode, verify or draft
     step makes and beyond (the kernels work in blocks of 4 rows), on 1 and 2 threads, from fp32 and bf16 inputs,
     a bf16 view at an odd offset included: else verify rows and decode rows would round differently."""
     g = torch.Generator().manual_seed(2)
-    lin = quantize(mode, torch.randn(192, 64, generator=g) * 0.05, None)
+    lin = cls(torch.randn(192, 64, generator=g) * 0.05, None)
     x = torch.randn(40, 64, generator=g)
     for n in (1, 2):
         torch.set_num_threads(n)
@@ -113,15 +134,17 @@ def test_each_row_is_computed_alone(mode, threads):
         assert torch.equal(lin(xb), torch.cat([lin(xb[r:r + 1].clone()) for r in range(5)]))
 
 
-class BF16IOLinear(nn.Module):
-    """The reference of a quantized linear: its dequantized weight in fp32, bf16-rounded inputs and outputs."""
+class ReferenceLinear(nn.Module):
+    """The reference of a quantized linear: its dequantized weight, the kernel's activations (kernel_reference);
+    torch's kernels also round their outputs to bf16."""
 
-    def __init__(self, lin: nn.Linear, mode: str) -> None:
+    def __init__(self, lin: nn.Linear, quantized: QuantLinear) -> None:
         super().__init__()
-        self.weight, self.bias = reference_weight(mode, lin.weight), lin.bias
+        self.weight, self.bias, self.cls = reference_weight(quantized.mode, lin.weight), lin.bias, type(quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = (x.bfloat16().float() @ self.weight.T).bfloat16().float()
+        y = kernel_reference(self.cls, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        y = y if self.cls is cpu_quant.NativeQ4Linear else y.bfloat16().float()
         return y if self.bias is None else y + self.bias.float()
 
 
@@ -130,7 +153,7 @@ def _swap_reference(ref: nn.Module, quantized: nn.Module) -> None:
     for name, child in list(ref.named_children()):
         q = getattr(quantized, name)
         if type(child) is nn.Linear:
-            setattr(ref, name, BF16IOLinear(child, q.mode))
+            setattr(ref, name, ReferenceLinear(child, q))
         else:
             _swap_reference(child, q)
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ConfigError
+from blockspec.native import q4
 
 MODES = ("auto", "q8", "q4", "off")
 GROUP = 32  # int4 group along the input dim: a GGUF Q4_0 / Q4_1 block
@@ -46,6 +47,8 @@ def supported(mode: str, device: torch.device) -> bool:
     runs a scalar loop, slower than the fp32 path), in a torch build whose op gives the right numbers."""
     if device.type != "cpu" or mode not in _KERNEL:
         return False
+    if mode == "q4" and q4.library() is not None:
+        return True  # blockspec's own kernel (NativeQ4Linear) built here
     vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
     return vector and _works(mode)
 
@@ -65,7 +68,8 @@ def _works(mode: str) -> bool:
         w = torch.randn(64, 2 * GROUP, generator=g)
         x = torch.randn(3, 2 * GROUP, generator=g)
         ref = x.bfloat16().float() @ reference_weight(mode, w).T
-        return bool(torch.allclose(quantize(mode, w, None)(x), ref, rtol=2e-2, atol=2e-2))
+        torch_kernel = (Int4Linear if mode == "q4" else Int8Linear)(w, None, False)
+        return bool(torch.allclose(torch_kernel(x), ref, rtol=2e-2, atol=2e-2))
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
 
@@ -149,6 +153,27 @@ class Int4Linear(QuantLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
 
 
+class NativeQ4Linear(QuantLinear):
+    """q4 on blockspec's own kernel (blockspec/native/q4gemm.c), where it builds: the same int4 codes, scales and
+    zeros as Int4Linear, fp32 activations quantized per row and block of 32 to int8 (llama.cpp's Q8_0) and integer
+    dot products; fp32 out. Rows are computed alone and the same on every path (the kernel's comment)."""
+
+    mode = "q4"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
+        super().__init__(weight, bias, keep_weight)
+        codes, scale, zero = int4_quantize(weight)
+        # w = (code - 8) * scale + zero = scale * code + (zero - 8 * scale)
+        self.weights = q4.Q4Weights(codes, scale.float(), zero.float() - 8 * scale.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.weights.matmul(x.reshape(-1, self.in_features).float()).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*lead, self.out_features)
+
+
 class Int8Linear(QuantLinear):
     mode = "q8"
 
@@ -168,7 +193,10 @@ def fits(mode: str, weight: torch.Tensor) -> bool:
 
 
 def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> QuantLinear:
-    return (Int4Linear if mode == "q4" else Int8Linear)(weight, bias, keep_weight)
+    """q4: blockspec's kernel where it is built (fits() keeps outputs a multiple of 16), else torch's."""
+    if mode == "q4":
+        return (NativeQ4Linear if q4.library() is not None else Int4Linear)(weight, bias, keep_weight)
+    return Int8Linear(weight, bias, keep_weight)
 
 
 @torch.no_grad()

@@ -1,0 +1,85 @@
+"""The native Q4 x Q8 kernel (q4gemm.c beside this file): compiled with the machine's C compiler on first use into
+the user cache (~/.cache/blockspec/native, BLOCKSPEC_CACHE_DIR), loaded with ctypes. Written here because torch's
+CPU int4 kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations:
+this one takes int8 activations with integer dot products and streams the weights once for all rows (docs/perf.md).
+No compiler, a failed build or BLOCKSPEC_NATIVE=0: library() is None and --cpu-quant keeps torch's kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("q4gemm.c")
+QK = 32  # inputs per block
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOCKSPEC_CACHE_DIR", Path.home() / ".cache" / "blockspec")) / "native"
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per source version (a few seconds), or None where it cannot be built."""
+    if os.environ.get("BLOCKSPEC_NATIVE", "1") == "0":
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    src = SOURCE.read_bytes()
+    lib = cache_dir() / f"q4gemm-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    if not lib.is_file():
+        if cc is None:
+            return None
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        # no -march=native: the SIMD paths carry their own target attributes and are picked at run time
+        done = subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            return None
+        tmp.replace(lib)  # atomic: two processes building at once never load half a file
+    dll = ctypes.CDLL(str(lib))
+    dll.q4_best_path.restype = ctypes.c_int
+    return dll
+
+
+def best_path() -> int:
+    """2: AVX512-VNNI, 1: AVX2, 0: scalar (all three give the same bits)."""
+    lib = library()
+    return lib.q4_best_path() if lib is not None else -1
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+class Q4Weights:
+    """A weight [N, K] as the kernel reads it, from int4 codes [N, K] (0..15) and per-block d, m [N, K / 32] with
+    w = d * code + m. N a multiple of 8, K of 32."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        N, K = codes.shape
+        self.N, self.K, self.KB = N, K, K // QK
+        codes = codes.to(torch.uint8).contiguous()
+        self.packed = torch.empty(N * K // 2, dtype=torch.uint8)
+        library().q4_pack(_ptr(codes), N, K, _ptr(self.packed))
+        # [N / 8, KB, 8]: a block's 8 outputs of a group load as one vector
+        self.d, self.m = (v.float().view(N // 8, 8, self.KB).transpose(1, 2).contiguous() for v in (d, m))
+
+    def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
+        """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
+        lib = library()
+        M, K = x.shape
+        x = x.contiguous()
+        qx = torch.empty(M, K, dtype=torch.int8)
+        sx, xs = torch.empty(M, self.KB), torch.empty(M, self.KB)
+        lib.q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs))
+        y = torch.empty(M, self.N)
+        lib.q4_gemm(_ptr(self.packed), _ptr(self.d), _ptr(self.m), self.N, K, _ptr(qx), _ptr(sx), _ptr(xs), M, _ptr(y),
+                    torch.get_num_threads(), best_path() if path is None else path)
+        return y

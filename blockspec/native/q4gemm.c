@@ -1,0 +1,166 @@
+/* Q4 weights x Q8 activations on the CPU, for decode and verify steps (blockspec/native/q4.py builds and loads it).
+
+Weights: blocks of 32 inputs, w = d * code + m (code 0..15; d, m fp32 per output and block: a GGUF Q4_0 / Q4_1
+block as it is). Activations: per row and block of 32, int8 codes with one fp32 scale sx (llama.cpp's Q8_0) and
+xs = sx * sum(codes). One output = sum over blocks, in order, of (d * sx) * <codes_w, codes_x>, plus the same
+for m * xs; the integer dot of a block is exact, every float step is one fused multiply-add.
+
+Layout for the SIMD paths: outputs in groups of 8 (a vector's lanes), and per (group, block) four 32-byte chunks:
+chunk c holds, for each of the 8 outputs, 4 bytes whose low nibbles are the codes of inputs 4c..4c+3 and whose high
+nibbles those of inputs 4c+16..4c+19. One integer multiply-add of a chunk against 4 activation bytes broadcast to
+every lane gives 8 outputs' partial sums at once; d and m are stored [group][block][8] to load as a vector.
+
+Exactness: each output of each row is computed with the same operations in the same order whatever the other rows,
+the thread count (threads split the output groups) and the path (AVX512-VNNI, AVX2 and scalar give the same bits),
+so a verify step's rows equal plain decoding's. Weights stream once per call for all rows: each block's chunks are
+unpacked once and used for up to MR rows. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define NG 8 /* outputs per group: the lanes of one 256-bit vector */
+
+/* x [M, K] fp32 -> qx [M, K] int8, sx and xs [M, KB] */
+void q8_quantize_rows(const float *x, int M, int K, int8_t *qx, float *sx, float *xs) {
+    int KB = K / QK;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)r * K + b * QK;
+            int8_t *q = qx + (size_t)r * K + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) {
+                int c = (int)lrintf(v[i] * id);
+                c = c > 127 ? 127 : (c < -127 ? -127 : c);
+                q[i] = (int8_t)c;
+                sum += c;
+            }
+            sx[(size_t)r * KB + b] = d;
+            xs[(size_t)r * KB + b] = d * (float)sum;
+        }
+}
+
+/* codes [N, K] (one byte each, 0..15) -> the chunked layout above; N a multiple of NG */
+void q4_pack(const uint8_t *codes, int N, int K, uint8_t *packed) {
+    int KB = K / QK;
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < KB; b++)
+            for (int c = 0; c < 4; c++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *w = codes + (size_t)n * K + b * QK;
+                    size_t at = ((((size_t)(n / NG) * KB + b) * 4 + c) * NG + n % NG) * 4 + j;
+                    packed[at] = (uint8_t)(w[4 * c + j] | (w[4 * c + 16 + j] << 4));
+                }
+}
+
+static void group_scalar(const uint8_t *packed, const float *d, const float *m, int K, const int8_t *qx,
+                         const float *sx, const float *xs, int r, float *y, int N, int g) {
+    int KB = K / QK;
+    for (int o = 0; o < NG; o++) {
+        float acc = 0.0f, mt = 0.0f;
+        for (int b = 0; b < KB; b++) {
+            const uint8_t *blk = packed + ((size_t)g * KB + b) * 4 * NG * 4;
+            const int8_t *q = qx + (size_t)r * K + b * QK;
+            int s = 0;
+            for (int c = 0; c < 4; c++)
+                for (int j = 0; j < 4; j++) {
+                    uint8_t byte = blk[(c * NG + o) * 4 + j];
+                    s += (byte & 15) * q[4 * c + j] + (byte >> 4) * q[4 * c + 16 + j];
+                }
+            size_t at = ((size_t)g * KB + b) * NG + o;
+            acc = fmaf((float)s, d[at] * sx[(size_t)r * KB + b], acc);
+        }
+        for (int b = 0; b < KB; b++) mt = fmaf(m[((size_t)g * KB + b) * NG + o], xs[(size_t)r * KB + b], mt);
+        y[(size_t)r * N + g * NG + o] = acc + mt;
+    }
+}
+
+/* one output group for rows r0..r0+MR-1 */
+#define GROUP_SIMD(NAME, TARGET, DOT, MR)                                                                            \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *packed, const float *d, const float *m, int K,    \
+                                                     const int8_t *qx, const float *sx, const float *xs, int r0,     \
+                                                     float *y, int N, int g) {                                       \
+        int KB = K / QK;                                                                                              \
+        const __m256i low = _mm256_set1_epi8(15);                                                                     \
+        __m256 acc[MR];                                                                                               \
+        for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();                                                    \
+        for (int b = 0; b < KB; b++) {                                                                                \
+            const uint8_t *blk = packed + ((size_t)g * KB + b) * 4 * NG * 4;                                          \
+            __m256i wl[4], wh[4];                                                                                     \
+            for (int c = 0; c < 4; c++) {                                                                             \
+                __m256i p = _mm256_loadu_si256((const __m256i *)(blk + c * NG * 4));                                  \
+                wl[c] = _mm256_and_si256(p, low);                                                                     \
+                wh[c] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);                                               \
+            }                                                                                                         \
+            __m256 dv = _mm256_loadu_ps(d + ((size_t)g * KB + b) * NG);                                               \
+            for (int r = 0; r < MR; r++) {                                                                            \
+                const int8_t *q = qx + (size_t)(r0 + r) * K + b * QK;                                                 \
+                __m256i s0 = DOT(wl[0], q, 0), s1 = DOT(wl[1], q, 4), s2 = DOT(wl[2], q, 8), s3 = DOT(wl[3], q, 12); \
+                s0 = _mm256_add_epi32(s0, DOT(wh[0], q, 16));                                                         \
+                s1 = _mm256_add_epi32(s1, DOT(wh[1], q, 20));                                                         \
+                s2 = _mm256_add_epi32(s2, DOT(wh[2], q, 24));                                                         \
+                s3 = _mm256_add_epi32(s3, DOT(wh[3], q, 28));                                                         \
+                __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                     \
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[(size_t)(r0 + r) * KB + b]));                      \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);                                       \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < MR; r++) {                                                                                \
+            __m256 mt = _mm256_setzero_ps();                                                                          \
+            for (int b = 0; b < KB; b++)                                                                              \
+                mt = _mm256_fmadd_ps(_mm256_loadu_ps(m + ((size_t)g * KB + b) * NG),                                  \
+                                     _mm256_set1_ps(xs[(size_t)(r0 + r) * KB + b]), mt);                              \
+            _mm256_storeu_ps(y + (size_t)(r0 + r) * N + g * NG, _mm256_add_ps(acc[r], mt));                           \
+        }                                                                                                             \
+    }
+
+/* 8 lanes of int32: lane o = sum over j of w byte (o, j) x activation byte at q[off + j] */
+#define BCAST(q, off) _mm256_set1_epi32(*(const int32_t *)((q) + (off)))
+#define DOT_AVX2(w, q, off) _mm256_madd_epi16(_mm256_maddubs_epi16((w), BCAST(q, off)), _mm256_set1_epi16(1))
+#define DOT_VNNI(w, q, off) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), BCAST(q, off))
+#define VNNI "avx2,fma,avx512f,avx512vl,avx512vnni"
+GROUP_SIMD(group_avx2_1, "avx2,fma", DOT_AVX2, 1)
+GROUP_SIMD(group_avx2_2, "avx2,fma", DOT_AVX2, 2)
+GROUP_SIMD(group_vnni_1, VNNI, DOT_VNNI, 1)
+GROUP_SIMD(group_vnni_2, VNNI, DOT_VNNI, 2)
+GROUP_SIMD(group_vnni_4, VNNI, DOT_VNNI, 4)
+
+typedef void (*group_fn)(const uint8_t *, const float *, const float *, int, const int8_t *, const float *,
+                         const float *, int, float *, int, int);
+
+/* 2: AVX512-VNNI, 1: AVX2, 0: scalar */
+int q4_best_path(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+/* one output group for every row, rows in tiles of 4 / 2 / 1 (the results do not depend on the tiling) */
+static void group(const uint8_t *packed, const float *d, const float *m, int K, const int8_t *qx, const float *sx,
+                  const float *xs, int M, float *y, int N, int g, int path) {
+    int r0 = 0;
+    if (path == 0) {
+        for (; r0 < M; r0++) group_scalar(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+        return;
+    }
+    /* AVX2 has 16 vector registers: 2 rows at a time at most without spilling */
+    group_fn f1 = path == 2 ? group_vnni_1 : group_avx2_1, f2 = path == 2 ? group_vnni_2 : group_avx2_2;
+    if (path == 2)
+        for (; r0 + 4 <= M; r0 += 4) group_vnni_4(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+    for (; r0 + 2 <= M; r0 += 2) f2(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+    for (; r0 < M; r0++) f1(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+}
+
+/* y [M, N] = the rows of qx against the N weight rows; output groups split over `threads` (OpenMP) */
+void q4_gemm(const uint8_t *packed, const float *d, const float *m, int N, int K, const int8_t *qx, const float *sx,
+             const float *xs, int M, float *y, int threads, int path) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int g = 0; g < N / NG; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
+}

@@ -1,0 +1,58 @@
+"""blockspec's native Q4 x Q8 CPU kernel (blockspec/native/q4gemm.c): every path (AVX512-VNNI, AVX2, scalar) gives
+the same bits, a row of an M-row call equals the row alone at 1 and 2 threads, and the result is the dequantized
+model's within the rounding of the int8 activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.layers import cpu_quant
+from blockspec.native import q4
+
+pytestmark = pytest.mark.skipif(q4.library() is None, reason="no C compiler here: q4 runs torch's kernel")
+PATHS = [p for p in (0, 1, 2) if p <= q4.best_path()]
+
+
+def weights(N: int, K: int, seed: int) -> tuple[torch.Tensor, q4.Q4Weights]:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scale, zero = cpu_quant.int4_quantize(w)
+    return w, q4.Q4Weights(codes, scale.float(), zero.float() - 8 * scale.float())
+
+
+@pytest.mark.parametrize("N,K", [(8, 32), (24, 96), (64, 576)])
+def test_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
+    _, W = weights(N, K, N + K)
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(1)) * 3
+    x[3] = 0  # a zero row: scale 0
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for path in PATHS:
+            full = W.matmul(x, path)
+            outs.append(full)
+            for M in range(1, 18):
+                assert torch.equal(W.matmul(x[:M], path), full[:M]), (threads, path, M)
+            assert all(torch.equal(W.matmul(x[i:i + 1], path), full[i:i + 1]) for i in range(17))
+    assert len(PATHS) >= 1 and all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.all(outs[0][3] == 0)
+
+
+def test_within_the_rounding_of_the_int8_activations():
+    w, W = weights(48, 160, 7)
+    x = torch.randn(9, 160, generator=torch.Generator().manual_seed(2)).double()
+    w_deq = cpu_quant.reference_weight("q4", w).double()
+    got = W.matmul(x.float()).double()
+    want = x @ w_deq.T
+    # each activation is off by at most half its block's step (max |x| / 127 / 2): the bound below, plus fp32 rounding
+    step = x.view(9, 5, 32).abs().amax(-1) / 127 / 2  # [M, blocks]
+    bound = torch.einsum("mb,nb->mn", step, w_deq.view(48, 5, 32).abs().sum(-1))
+    assert torch.all((got - want).abs() <= bound * 1.001 + 1e-5 * want.abs() + 1e-6)
+    assert (got - want).abs().max() > 0  # the activations are really quantized (this is not the fp32 product)
+
+
+def test_quantize_picks_the_native_kernel_for_q4_and_falls_back(monkeypatch):
+    w = torch.randn(32, 64)
+    assert isinstance(cpu_quant.quantize("q4", w, None), cpu_quant.NativeQ4Linear)
+    monkeypatch.setattr(q4, "library", lambda: None)  # no compiler: torch's int4 kernel
+    assert type(cpu_quant.quantize("q4", w, None)) is cpu_quant.Int4Linear
