@@ -14,6 +14,7 @@ import pytest
 
 from blockspec.cli import COMMANDS, main
 from blockspec.errors import ModelLoadError
+from blockspec.loading.bundled_draft import BUNDLED_DRAFT_DIR
 from blockspec.loading.source import check_source, resolve_source
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ HEAVY = ("torch", "transformers", "safetensors", "blockspec.llm", "blockspec.eng
 # the fewest arguments each command needs, so that a bad flag is the only thing wrong
 REQUIRED = {"generate": ["--prompt", "x"], "demo": [], "bench": [], "init-draft": ["--out", "o"], "serve": [],
             "chat": [], "draft-data": ["--prompts", "p", "--out", "o"], "eval-draft": ["--dataset", "gsm8k"],
-            "train-draft": ["--data", "d", "--out", "o"]}
+            "train-draft": ["--data", "d", "--out", "o"], "export-draft": ["d", "--out", "o.gguf"]}
 
 
 def _in_fresh_python(code: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -103,6 +104,8 @@ def _error(capsys, argv: list[str]) -> str:
     (["bench", "--model", "{absent}"], "--model"),
     (["eval-draft", "--dataset", "gsm8k", "--draft", "{absent}"], "--draft"),
     (["init-draft", "--target", "{absent}", "--out", "o"], "--target"),
+    (["export-draft", "{absent}", "--out", "o.gguf"], "DRAFT"),
+    (["export-draft", str(BUNDLED_DRAFT_DIR), "--target", "{absent}", "--out", "o.gguf"], "--target"),
     (["train-draft", "--data", "{absent}", "--out", "o"], "--data"),
     (["train-draft", "--data", ".", "--out", "o", "--eval-prompts", "{absent}"], "--eval-prompts"),
 ])

@@ -26,6 +26,8 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("run the bundled model on a few prompts (offline, CPU)", "demo"),
     "bench": Command("offline throughput: speculative vs plain, alternating warmed runs", "bench"),
     "init-draft": Command("write a randomly initialized DFlash drafter for a target", "init_draft"),
+    "export-draft": Command("write a DFlash drafter as a llama.cpp GGUF (llama-server --spec-type draft-dflash)",
+                            "export_draft"),
     "serve": Command("OpenAI-compatible HTTP server", "serve", extra="serve"),
     "chat": Command("interactive chat in the terminal, streamed", "chat"),
     "draft-data": Command("build drafter training data: prompts -> target-regenerated token shards", "data"),

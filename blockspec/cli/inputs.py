@@ -16,13 +16,21 @@ from blockspec.loading.source import check_source
 # arguments that name a model source (target or drafter): checked as resolve_source will read them
 MODEL_SOURCES = frozenset({"model_pos", "model", "target", "draft_model"})
 # arguments that name local paths -> what each path must be. draft-data reads its --prompts before it loads, under
-# their own message; train-draft checks its --prompts and --init itself, after the flag combinations they are part of
-PATHS = {"prompts_file": "file", "eval_prompts": "file", "data": "dir"}
+# their own message; train-draft checks its --prompts and --init itself, after the flag combinations they are part of;
+# export-draft's --out must be a file whose folder exists
+PATHS = {"prompts_file": "file", "eval_prompts": "file", "data": "dir", "out_file": "new file"}
 
 
 def check_path(value: str, name: str, kind: str) -> None:
-    """`value` (of the argument `name`) is an existing file ("file"), directory ("dir") or either ("path")."""
+    """`value` (of the argument `name`) is an existing file ("file"), directory ("dir") or either ("path"), or a file
+    that can be written: not a directory, in a folder that exists ("new file")."""
     p = Path(value).expanduser()
+    if kind == "new file":
+        if p.is_dir():
+            raise BlockspecError(f"{name} {value}: is a directory; give the file to write")
+        if not p.parent.is_dir():
+            raise BlockspecError(f"{name} {value}: the folder {p.parent} does not exist")
+        return
     if not p.exists():
         what = {"file": "file", "dir": "directory", "path": "file or directory"}[kind]
         raise BlockspecError(f"{name} {value}: no such {what}")

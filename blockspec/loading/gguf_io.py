@@ -262,6 +262,11 @@ def read_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(path, config, meta.get("tokenizer.chat_template"), infos)
 
 
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The file's key/value metadata only (no tensor is read), with read_gguf's errors for a bad file."""
+    return _parse(Path(path))[0]
+
+
 def load_gguf_tokenizer(path: str | Path) -> Any:
     """A transformers fast tokenizer built from the file's tokenizer metadata (no weights are read).
 
