@@ -253,8 +253,10 @@ class DecodeStep:
         bonus, start = tokens.gather(1, n[:, None])[:, 0], buf.start + n + 1
         sample = self.sampled_drafts and not rows.all_greedy
         proposal = proposer.propose(models, DraftBatch(bonus, start, buf.block_tables, buf.draft_query_start, next_k,
-                                                       self.draft_rows(next_k)), want_logits=sample)
+                                                       self.draft_rows(next_k), sampling=rows if sample else None),
+                                    want_logits=sample)
         if not sample:
             return torch.cat([packed, proposal.drafts], dim=1), None
-        drafts, q = sample_drafts(proposal.logits, proposal.drafts, rows, start)
+        drafts, q = ((proposal.drafts, proposal.q) if proposal.q is not None
+                     else sample_drafts(proposal.logits, proposal.drafts, rows, start))
         return torch.cat([packed, drafts], dim=1), q

@@ -174,11 +174,13 @@ class ModelRunner:
             sample = proposer.probabilistic and not rows.all_greedy
             batch = DraftBatch(bonus[sel], start[sel], tables[self._tensor(idx)],
                                self._tensor([j * R for j in range(B + 1)], torch.int32), K, R,
-                               max(s.num_computed + scheduled[i].num_rows for i, s in zip(idx, seqs)))
+                               max(s.num_computed + scheduled[i].num_rows for i, s in zip(idx, seqs)),
+                               rows if sample else None)
             proposal = proposer.propose(self.models, batch, want_logits=sample)
             drafts = proposal.drafts
             if sample:
-                drafts, probs = sample_drafts(proposal.logits, drafts, rows, batch.start)
+                drafts, probs = ((drafts, proposal.q) if proposal.q is not None
+                                 else sample_drafts(proposal.logits, drafts, rows, batch.start))
                 q.update((i, probs[j]) for j, i in enumerate(idx) if not seqs[j].params.greedy)
             at = sum(t.numel() for t in acc.flat)
             acc.drafts_at.update((i, (at + j * K, K)) for j, i in enumerate(idx))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
 from blockspec.config import SpeculativeConfig
-from blockspec.errors import ModelLoadError
+from blockspec.errors import ConfigError, ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.loading.dflash_options import ResolvedSpec, resolve_spec
 from blockspec.loading.loader import LoadedModel
@@ -17,7 +18,14 @@ from blockspec.loading.prepare import prepare_draft
 from blockspec.loading.source import resolve_source
 from blockspec.loading.weights import load_weights
 from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from blockspec.models.dflash_config import DFlashConfig
+
+# z-lab's architecture names -> (config, model): DFlash 1, and DFlash 2 (convolutions + candidate selector)
+DRAFT_ARCHITECTURES: dict[str, tuple[type[DFlashConfig], type[DFlashDraftModel]]] = {
+    "DFlashDraftModel": (DFlashConfig, DFlashDraftModel),
+    "DFlash2DraftModel": (DFlash2Config, DFlash2DraftModel),
+}
 
 
 @dataclass
@@ -33,24 +41,41 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     source = resolve_source(spec.draft_model)
     where = str(source.path)
     archs = source.config.get("architectures") or []
-    if archs and archs[0] not in ("DFlashDraftModel",):
-        raise ModelLoadError(f"{where}: architectures={archs} is not a DFlash draft ('DFlashDraftModel')")
-    cfg = DFlashConfig.from_hf(source.config, where)
+    if archs and archs[0] not in DRAFT_ARCHITECTURES:
+        raise ModelLoadError(f"{where}: architectures={archs} is not a DFlash draft "
+                             f"({' or '.join(map(repr, DRAFT_ARCHITECTURES))})")
+    # a config without architectures is read as DFlash 1, as before DFlash 2 existed
+    config_class, model_class = DRAFT_ARCHITECTURES[archs[0] if archs else "DFlashDraftModel"]
+    cfg = config_class.from_hf(source.config, where)
     cfg.validate_block_size()
     resolved = resolve_spec(spec, cfg, target.config, where)
+    n = spec.draft_vocab_size
+    if isinstance(cfg, DFlash2Config) and n is not None and n < cfg.selector_top_k:
+        # the selector's candidates are the top-k of the argmax head's logits, over ids < draft_vocab_size
+        raise ConfigError(f"draft_vocab_size={n} is below this DFlash 2 drafter's selector_top_k="
+                          f"{cfg.selector_top_k} (its candidates per position)", field="draft_vocab_size")
     param = next(target.model.parameters())
     if spec.cpu_bf16_draft:
         _check_cpu_bf16(param.device)
     with torch.device("meta"):
-        model = DFlashDraftModel(cfg, num_taps=len(resolved.target_layer_ids))
+        model = model_class(cfg, num_taps=len(resolved.target_layer_ids))
     model = model.to_empty(device=param.device).to(param.dtype)
-    load_weights(model, source.tensors(), where, prefix="")
+    load_weights(model, _zlab_names(source.tensors()), where, prefix="")
     # a packed target's drafter is packed too, in its dtype; cpu_bf16_draft packs it in bf16
     pack = torch.bfloat16 if spec.cpu_bf16_draft else param.dtype if target.cpu_packed else None
     prepare_draft(model, target.model.lm_head, pack, resolved.draft_rows(resolved.num_draft_tokens),
                   spec.draft_vocab_size)
     return LoadedDraft(model.eval(), cfg, resolved, source.path if source.path.is_dir() else None,
                        spec.draft_vocab_size)
+
+
+def _zlab_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """z-lab stores the DFlash 2 selector's codebooks as raw tensors (`candidate_selector.predecessor_codebook`), as
+    our model names them; a checkpoint saved from an nn.Embedding-based copy adds `.weight`: both load."""
+    for name, t in tensors:
+        if name.startswith("candidate_selector.") and name.endswith("_codebook.weight"):
+            name = name.removesuffix(".weight")
+        yield name, t
 
 
 def _check_cpu_bf16(device: torch.device) -> None:

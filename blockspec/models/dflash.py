@@ -61,9 +61,11 @@ class DFlashLayer(nn.Module):
         self.mlp = MLP(cfg)  # type: ignore[arg-type]  (needs hidden_size / intermediate_size only)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn: DraftAttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+                attn: DraftAttentionFn, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h and the previous layer's output delta (None before layer 0) -> (h, this layer's
-        output); each residual add is fused with the norm that follows it (one kernel on GPU, same sums)."""
+        output); each residual add is fused with the norm that follows it (one kernel on GPU, same sums). rows: the
+        rows of one draft block (a DFlash 1 layer treats rows alone, so it ignores it; DFlash 2's convolutions
+        need it)."""
         if delta is None:
             x = self.input_layernorm(h)
         else:
@@ -73,6 +75,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class: type[DFlashLayer] = DFlashLayer  # DFlash 2 (models/dflash2.py) adds convolutions to the layer
     # checkpoint names -> (our packed parameter, shard index), as the target's (models/decoder.py)
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -83,7 +86,7 @@ class DFlashDraftModel(nn.Module):
         H = cfg.hidden_size
         self.fc = nn.Linear(num_taps * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # The variants below are replaced once at load where the platform asks (loading/prepare.py).
@@ -112,15 +115,23 @@ class DFlashDraftModel(nn.Module):
         attns = [layer.self_attn for layer in self.layers]
         return self.context_proj(ctx, cos, sin, [a.qkv_proj for a in attns], [a.k_norm for a in attns], paged)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
-        """embeds [T, H] (raw target embeddings of the block; scaled here), positions [T] -> final-normed [T, H]."""
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn,
+                rows: int | None = None) -> torch.Tensor:
+        """embeds [T, H] (raw target embeddings of T / rows blocks of `rows` rows each; None: T rows of one block or
+        of blocks whose bounds the layers need not know; scaled here), positions [T] -> final-normed [T, H]."""
         embeds = self.input_cast(embeds)
         h = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         delta = None
         for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin, attn)
+            h, delta = layer(h, delta, cos, sin, attn, rows or h.shape[0])
         return self.norm.add_forward(delta, h)[0]
+
+    def block_drafts(self, hidden: torch.Tensor, anchor: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Greedy drafts [B, K] of blocks whose final hidden states at the draft positions are hidden [B, K, H] and
+        whose bonus tokens are anchor [B]: DFlash 1 drafts each position's argmax, whatever the anchor."""
+        B, K, H = hidden.shape
+        return self.greedy_drafts(hidden.reshape(B * K, H), lm_head).view(B, K)
 
     def greedy_drafts(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Argmax drafts [rows] of compute_logits, over the token ids < draft_vocab_size when a smaller head was set.

@@ -2,7 +2,9 @@
 
 append_context: the committed rows' taps -> fc -> hidden_norm -> each draft layer's k/v, written into the draft
 pages of the pool at the rows' own slots (the context the drafter attends to). propose: one draft forward over
-[bonus, MASK x (rows - 1)] per request, attending to that context; the drafts are the argmax of its rows 1..K."""
+[bonus, MASK x (rows - 1)] per request, attending to that context; the drafts are the argmax of its rows 1..K
+(DFlash 1) or the candidate selector's pick (DFlash 2, models/dflash2.py; sampled: speculative/selector.py).
+DFlash 2's convolutions run inside each request's block only, so they add no state to the context append."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import CacheShape
 from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.speculative.proposer import CommittedRows, DraftBatch, Proposal, Proposer, StepModels
 from blockspec.speculative.schedule import fingerprint, load_schedule, recorded_acceptance
+from blockspec.speculative.selector import sample_selected
 
 
 class DFlashProposer(Proposer):
@@ -60,11 +64,14 @@ class DFlashProposer(Proposer):
         # the block's own k/v are never stored (slots -1); it sees the context at positions < start
         paged = PagedBatch(pos, torch.full_like(pos, -1), batch.query_start, batch.start.int(), batch.block_tables,
                            R, batch.max_kv_len)
-        hidden = model(target.embed_tokens(ids.flatten()), pos, models.backend.draft(models.pool, paged))
-        hidden = hidden.view(B, R, -1)[:, 1:K + 1].reshape(B * K, -1)
+        hidden = model(target.embed_tokens(ids.flatten()), pos, models.backend.draft(models.pool, paged), R)
+        hidden = hidden.view(B, R, -1)[:, 1:K + 1]
+        if want_logits and isinstance(model, DFlash2DraftModel):
+            # DFlash 2 draws its drafts itself (each pick conditions the next): q is over the selector's candidates
+            return sample_selected(model, hidden, batch, target.lm_head)
         if want_logits:
-            logits = model.compute_logits(hidden, target.lm_head)
+            logits = model.compute_logits(hidden.reshape(B * K, -1), target.lm_head)
             # argmax of the whole-vocabulary logits: greedy requests of a probabilistic drafter keep these
             return Proposal(logits.max(-1).indices.view(B, K), logits.view(B, K, -1))
-        # the argmax head (over token ids < draft_vocab_size when set)
-        return Proposal(model.greedy_drafts(hidden, target.lm_head).view(B, K))
+        # DFlash 1: the argmax head (over token ids < draft_vocab_size when set); DFlash 2: the selector's greedy pass
+        return Proposal(model.block_drafts(hidden, batch.bonus, target.lm_head))

@@ -17,6 +17,7 @@ import torch
 from blockspec.attention.backends import AttentionBackend
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.sampling import SamplingRows
 
 
 @dataclass
@@ -53,12 +54,16 @@ class DraftBatch:
     num_draft_tokens: int  # K
     rows: int  # rows of one request's draft block (Proposer.draft_rows(K))
     max_kv_len: int | None = None  # host bound for the reference attention (None inside captured steps)
+    sampling: SamplingRows | None = None  # the requests' sampling rows, given when sampled drafts are asked for
 
 
 @dataclass
 class Proposal:
     drafts: torch.Tensor  # [B, K] int64 argmax drafts
     logits: torch.Tensor | None = None  # [B, K, V] fp32 draft logits (asked for by probabilistic drafting)
+    # [B, K, V] fp32: drafts the proposer sampled itself (from batch.sampling) and the distributions q they were
+    # drawn from (DFlash 2's selector: each draft conditions the next); None: the engine draws from `logits`
+    q: torch.Tensor | None = None
 
 
 class Proposer(ABC):

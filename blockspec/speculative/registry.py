@@ -49,7 +49,7 @@ def method_of(spec: SpeculativeConfig) -> str:
     if spec.method is not None:
         return spec.method
     archs = resolve_source(spec.draft_model).config.get("architectures") or []
-    return "dflash" if "DFlashDraftModel" in archs else "draft-model"
+    return "dflash" if {"DFlashDraftModel", "DFlash2DraftModel"} & set(archs) else "draft-model"
 
 
 def load_proposer(spec: SpeculativeConfig, target: LoadedModel) -> Proposer:
