@@ -64,7 +64,7 @@ def test_each_architecture_is_served_by_its_own_family_file(arch, file):
 
 def test_gguf_names_come_from_the_family_files():
     assert registry.gguf_architectures() == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                             "qwen3": "Qwen3ForCausalLM"}
+                                             "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("arch,fields,traits", [
@@ -136,4 +136,4 @@ def test_unknown_architecture_is_one_line_naming_the_supported_ones():
     with pytest.raises(ModelLoadError) as e:
         registry.build_model(cfg)
     assert str(e.value) == ("unknown architecture 'FooForCausalLM' in config.json 'architectures'; "
-                            "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+                            "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")

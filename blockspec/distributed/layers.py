@@ -80,6 +80,29 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def input_columns(linear: nn.Linear, start: int, count: int) -> nn.Linear:
+    """The input columns [start, start+count) of a bias-free `linear` as a new nn.Linear: its output is this rank's
+    partial sum, summed over the ranks by whoever owns the whole sum (AllReduceSum around a mixture of experts)."""
+    assert linear.bias is None, "a partial sum cannot carry the bias"
+    out = nn.Linear(count, linear.out_features, bias=False, device="meta")
+    out.weight = _frozen(linear.weight.data[:, start:start + count].contiguous())
+    return out
+
+
+class AllReduceSum(nn.Module):
+    """A module whose output is this rank's partial sum (experts holding a slice of their intermediate channels),
+    summed over the ranks once: one all-reduce per MoE layer, not one per expert that ran."""
+
+    def __init__(self, inner: nn.Module, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
 def vocab_shard(weight: torch.Tensor, rank: int, world: int) -> tuple[int, torch.Tensor]:
     """(first vocab id, [ceil(V/world), H] rows) of this rank; rows past V are zeros."""
     per = -(-weight.shape[0] // world)

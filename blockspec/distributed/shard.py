@@ -4,7 +4,9 @@ Modules are replaced, not rewritten: a packed qkv_proj (target's and drafter's) 
 rows, gate_up_proj its [gate_r | up_r] rows, o_proj / down_proj become row-parallel (all-reduce), the embedding and
 lm_head vocab-parallel, and each attention module's head counts become this rank's. Hidden states, norms, the rotary
 tables and the drafter's fc (it reads the replicated taps) stay replicated, so the model code runs unchanged on every
-rank.
+rank. A mixture-of-experts layer is split the same way inside every expert (each rank holds a slice of every expert's
+intermediate channels, the router replicated, so all ranks route alike and run the same experts), and its output is
+all-reduced once for the layer rather than once per expert (docs/moe.md).
 The returned LoadedModel / LoadedDraft carry this rank's view of the config (its head counts), which is what the
 engine sizes the KV pool shard from."""
 
@@ -14,10 +16,12 @@ import dataclasses
 
 from torch import nn
 
-from blockspec.distributed.layers import (HeadSplit, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                                          column_linear, column_qkv, head_split, vocab_shard)
+from blockspec.distributed.layers import (AllReduceSum, HeadSplit, ParallelLMHead, RowParallelLinear,
+                                          VocabParallelEmbedding, column_linear, column_qkv, head_split, input_columns,
+                                          vocab_shard)
 from blockspec.distributed.parallel_state import TPGroup
 from blockspec.errors import ConfigError
+from blockspec.layers.moe import SparseMoeBlock
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashAttention, DFlashDraftModel
@@ -37,6 +41,9 @@ def check_tp_size(n: int, cfg: ModelConfig | DFlashConfig, what: str) -> None:
                           f"multiple of it (KV heads are then replicated)")
     if inter % n:
         raise ConfigError(f"tensor_parallel_size={n} must divide the {what}'s intermediate_size={inter}")
+    moe_inter = getattr(cfg, "raw", {}).get("moe_intermediate_size")  # a mixture of experts' per-expert size
+    if isinstance(moe_inter, int) and moe_inter % n:
+        raise ConfigError(f"tensor_parallel_size={n} must divide the {what}'s moe_intermediate_size={moe_inter}")
 
 
 def _shard_mlp(mlp: MLP, tp: TPGroup) -> None:
@@ -45,6 +52,18 @@ def _shard_mlp(mlp: MLP, tp: TPGroup) -> None:
     start = tp.rank * per
     mlp.gate_up_proj = column_linear(mlp.gate_up_proj, [(start, per), (inter + start, per)])
     mlp.down_proj = RowParallelLinear(mlp.down_proj, start, per, tp.group)  # type: ignore[assignment]
+
+
+def _shard_moe(block: SparseMoeBlock, tp: TPGroup) -> AllReduceSum:
+    """Every expert keeps its slice of intermediate channels (gate|up rows, down columns: a partial sum, no
+    all-reduce of its own); the block's weighted sum of them is all-reduced once."""
+    for expert in block.experts:
+        inter = expert.down_proj.in_features
+        per = inter // tp.world_size
+        start = tp.rank * per
+        expert.gate_up_proj = column_linear(expert.gate_up_proj, [(start, per), (inter + start, per)])
+        expert.down_proj = input_columns(expert.down_proj, start, per)
+    return AllReduceSum(block, tp.group)
 
 
 def _qkv_rows(s: HeadSplit, D: int, q: int, kv: int) -> list[tuple[int, int]]:
@@ -78,7 +97,10 @@ def rank_config(cfg, tp: TPGroup):
 def shard_target(model: DecoderForCausalLM, tp: TPGroup) -> None:
     for layer in model.layers:
         _shard_target_attention(layer.self_attn, tp)
-        _shard_mlp(layer.mlp, tp)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = _shard_moe(layer.mlp, tp)
+        else:
+            _shard_mlp(layer.mlp, tp)
     start, emb = vocab_shard(model.embed_tokens.weight.data, tp.rank, tp.world_size)
     emb_param = nn.Parameter(emb, requires_grad=False)
     head_param = emb_param

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType as 
 from gguf.quants import dequantize
 
 from blockspec.errors import ModelLoadError
+from blockspec.loading.gguf_moe import EXPERT_SLOT, MOE_BLK, check_bank, moe_config
 from blockspec.models.registry import gguf_architectures
 
 _TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
@@ -33,7 +34,7 @@ _NO_HF = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.w
 _BLK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", **MOE_BLK}
 _BLK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
@@ -190,6 +191,10 @@ class GGUFModel:
             w = np.ascontiguousarray(w, dtype=np.float32)
             if np.may_share_memory(w, raw):  # F32 "dequantizes" to a view of the read-only map
                 w = w.copy()
+            if EXPERT_SLOT in t.hf_name:  # a stacked expert bank, dequantized once: one HF tensor per expert
+                for e in range(w.shape[0]):
+                    yield t.hf_name.replace(EXPERT_SLOT, str(e)), torch.from_numpy(w[e])
+                continue
             yield t.hf_name, torch.from_numpy(w)
         del raw
 
@@ -209,6 +214,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if "token_embd.weight" not in tinfo:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
     file_size = path.stat().st_size
+    layers = int(_get(meta, f"{arch}.block_count", path))
+    moe = moe_config(meta, arch, tinfo, layers, path)
     infos = []
     for name, (dims, type_id, offset) in tinfo.items():
         try:
@@ -231,20 +238,24 @@ def read_gguf(path: str | Path) -> GGUFModel:
         if offset + nbytes > file_size:
             raise ModelLoadError(f"{path}: tensor {name!r} runs past the end of the file (truncated download?)")
         shape = tuple(int(d) for d in reversed(dims))
+        if EXPERT_SLOT in hf:
+            check_bank(name, shape, moe.get("num_experts"), path)
         permute = 0
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             permute = heads if kind == "attn_q" else kv_heads
             if shape[0] != permute * head_dim or head_dim % 2:
                 raise ModelLoadError(f"{path}: tensor {name!r} has {shape[0]} rows, expected {permute}x{head_dim}")
         infos.append(_TensorInfo(name, hf, shape, qtype, offset, nbytes, permute))
+    # required (the `...` default), except in a MoE file, whose dense size nothing reads where every layer is MoE
+    ffn = _get(meta, f"{arch}.feed_forward_length", path, moe.get("moe_intermediate_size", ...))
     config = {
         "architectures": [archs[arch]],
         "model_type": arch,
         # The embedding rows, not the token list: the weights must fit the config, and some models pad one.
         "vocab_size": int(tinfo["token_embd.weight"][0][-1]),
         "hidden_size": hidden,
-        "intermediate_size": int(_get(meta, f"{arch}.feed_forward_length", path)),
-        "num_hidden_layers": int(_get(meta, f"{arch}.block_count", path)),
+        "intermediate_size": int(ffn),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -258,6 +269,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
         "attention_bias": "blk.0.attn_q.bias" in tinfo,
+        **moe,
     }
     return GGUFModel(path, config, meta.get("tokenizer.chat_template"), infos)
 

@@ -17,6 +17,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str, prefix: str = "model.") -> None:
     """Load `tensors` (HF names) into `model`. `model.packed` maps HF projection names to (fused name, shard index);
     `model.shard_sizes(param)` gives the row split of a fused parameter."""
+    split = getattr(model, "checkpoint_tensors", None)  # a target family's own tensor layouts (drafters have none)
+    if split is not None:
+        tensors = split(tensors)
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, int]] = getattr(model, "packed", {})
     loaded: set[str] = set()

@@ -1,6 +1,7 @@
 """ModelConfig: the HF config.json fields every model family reads, in transformers-4 and -5 styles. A field only one
 family knows (Llama's attention_bias, say) is read by that family's file (models/llama.py: `layer_traits`) through
-`ModelConfig.flag`, so adding a family adds no field here."""
+`ModelConfig.flag` (booleans) or `ModelConfig.integer` (sizes, e.g. Qwen3-MoE's expert counts), so adding a family adds
+no field here."""
 
 from __future__ import annotations
 
@@ -71,6 +72,19 @@ class ModelConfig:
         if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
             return bool(value)
         raise ModelLoadError(f"{self.source}: field {key!r} must be true or false, got {value!r}")
+
+    def integer(self, key: str, default: int | None = None, minimum: int = 0) -> int:
+        """An integer config.json field that one family reads (a mixture-of-experts size, say); absent or null ->
+        `default`, or, where there is none, a failure naming the field. A value of another type or below `minimum`
+        fails naming the field and the value."""
+        value = self.raw.get(key)
+        if value is None:
+            if default is None:
+                raise ModelLoadError(f"{self.source}: required field {key!r} is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ModelLoadError(f"{self.source}: field {key!r} must be an integer >= {minimum}, got {value!r}")
+        return value
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":

@@ -12,7 +12,7 @@ AttentionFn the caller passes (dense cache, paged reference, Triton)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.base import AttentionFn, ForwardOutput, packed_shard_sizes
 from blockspec.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from blockspec.native.decoder import NativeDecoder
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, traits: LayerTraits) -> None:
+    """Pre-norm attention + MLP. `mlp`: a family's own feed-forward module (x [T, hidden] -> [T, hidden]) in place of
+    the dense SwiGLU, e.g. routed experts (models/qwen3_moe.py); None: the dense MLP of `cfg.intermediate_size`."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, traits: LayerTraits, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, traits)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, traits.mlp_bias)
+        self.mlp = mlp if mlp is not None else MLP(cfg, traits.mlp_bias)
 
     def forward(self, h: torch.Tensor | None, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,6 +150,8 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        # the layer stack in one native call (blockspec/native/decoder.py), set by prepare_target for q4 targets
+        self.native: NativeDecoder | None = None
 
     def make_layer(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         """Decoder layer `layer_idx`: forward(h, delta, cos, sin, attn) -> (h, output, h_in), as DecoderLayer's."""
@@ -152,6 +160,12 @@ class DecoderForCausalLM(nn.Module):
     def shard_sizes(self, param: str) -> list[int]:
         """Row sizes of the shards packed into a fused parameter (for the loader)."""
         return packed_shard_sizes(self.config, param)
+
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's (HF name, tensor) pairs as loading/weights.py takes them: one tensor per HF parameter.
+        The identity here; a family whose checkpoints may store several parameters in one tensor (transformers 5's
+        stacked expert banks, say) splits them here, lazily."""
+        return tensors
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -167,6 +181,11 @@ class DecoderForCausalLM(nn.Module):
     ) -> ForwardOutput:
         delta = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary.cos_sin(positions, delta.dtype)
+        paged = getattr(attn, "native_paged", None)  # (pool, batch) where the native layer stack may run
+        if self.native is not None and paged is not None:
+            hidden, tapped = self.native.forward(delta, cos, sin, *paged, tap_layers)
+            rows = hidden if logit_rows is None else hidden[logit_rows]
+            return ForwardOutput(logits=self.compute_logits(rows), taps=tapped, hidden=hidden)
         wanted = {l: i for i, l in enumerate(tap_layers)}
         taps: list[torch.Tensor | None] = [None] * len(tap_layers)
         h = None

@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "blockspec.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "blockspec.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "blockspec.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "blockspec.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
