@@ -24,7 +24,7 @@ def tiny_hf_config(arch: str, **overrides: Any):
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
-        return tf.Qwen3Config(head_dim=16, **common)
+        return tf.Qwen3Config(**{"head_dim": 16, **common})
     raise ValueError(arch)
 
 

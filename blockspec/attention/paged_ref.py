@@ -129,6 +129,13 @@ class RowwiseTargetAttention(PagedTargetAttention):
         super().__init__(pool, batch)
         self.positions = batch.positions.tolist()
 
+    @property
+    def native_paged(self) -> tuple[KVPool, PagedBatch] | None:
+        """What a native layer stack (blockspec/native/decoder.py) needs to run this attention itself: an fp32 pool
+        on the CPU; it computes each row alone as this class does."""
+        cpu_f32 = self.pool.k.device.type == "cpu" and self.pool.k.dtype == torch.float32
+        return (self.pool, self.batch) if cpu_f32 else None
+
     def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float
                         ) -> torch.Tensor:
         if q.shape[0] > ROWWISE_MAX_ROWS:

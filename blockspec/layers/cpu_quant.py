@@ -163,8 +163,7 @@ class NativeQ4Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
         super().__init__(weight, bias, keep_weight)
         codes, scale, zero = int4_quantize(weight)
-        # w = (code - 8) * scale + zero = scale * code + (zero - 8 * scale)
-        self.weights = q4.Q4Weights(codes, scale.float(), zero.float() - 8 * scale.float())
+        self.weights = q4.Q4Weights(codes, scale, zero)  # w = scale * (code - 8) + zero, as Int4Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

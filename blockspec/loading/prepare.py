@@ -82,6 +82,10 @@ def prepare_target(model: nn.Module, options: TargetOptions) -> None:
     """The target's linears in this platform's variant, in place (options resolved and checked already)."""
     if options.cpu_quant != "off":
         cpu_quant.quantize_target(model, options.cpu_quant)
+        from blockspec.native.decoder import NativeDecoder
+
+        if NativeDecoder.runs(model):
+            model.native = NativeDecoder(model)
     if options.cpu_packed:  # after quantizing: packs the linears the quantized kernel does not take
         cpu_packed.pack_target(model)
     if options.batch_invariant:

@@ -1,5 +1,6 @@
-"""The native Q4 x Q8 kernel (q4gemm.c beside this file): compiled with the machine's C compiler on first use into
-the user cache (~/.cache/blockspec/native, BLOCKSPEC_CACHE_DIR), loaded with ctypes. Written here because torch's
+"""The native Q4 x Q8 kernel (q4gemm.c beside this file) and the decoder stack built on it (decoder.c, decoder.py):
+compiled with the machine's C compiler on first use into the user cache (~/.cache/blockspec/native,
+BLOCKSPEC_CACHE_DIR), loaded with ctypes. Written here because torch's
 CPU int4 kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations:
 this one takes int8 activations with integer dot products and streams the weights once for all rows (docs/perf.md).
 No compiler, a failed build or BLOCKSPEC_NATIVE=0: library() is None and --cpu-quant keeps torch's kernels."""
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("q4gemm.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "decoder.c")]
 QK = 32  # inputs per block
 
 
@@ -24,27 +25,45 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BLOCKSPEC_CACHE_DIR", Path.home() / ".cache" / "blockspec")) / "native"
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: the library is built for this machine's instruction set (-march=native), so a cache
+    shared by two machines keeps one build each."""
+    try:
+        return next((ln for ln in Path("/proc/cpuinfo").read_bytes().splitlines() if ln.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def _build(cc: str, lib: Path, flags: list[str]) -> bool:
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    # -ffp-contract=off: no multiply-add is fused in one place and not in another (decoder.c's exactness)
+    done = subprocess.run([cc, "-O3", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp),
+                           *map(str, SOURCES), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return False
+    tmp.replace(lib)  # atomic: two processes building at once never load half a file
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source version (a few seconds), or None where it cannot be built."""
+    """The compiled kernels, built once per source version and machine (a few seconds), or None where they cannot
+    be built."""
     if os.environ.get("BLOCKSPEC_NATIVE", "1") == "0":
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    src = SOURCE.read_bytes()
-    lib = cache_dir() / f"q4gemm-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags()).hexdigest()[:16]
+    lib = cache_dir() / f"blockspec-native-{digest}.so"
     if not lib.is_file():
         if cc is None:
             return None
         lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        # no -march=native: the SIMD paths carry their own target attributes and are picked at run time
-        done = subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
+        # q4gemm.c's SIMD paths carry their own target attributes; -march=native vectorizes decoder.c's loops
+        if not (_build(cc, lib, ["-march=native"]) or _build(cc, lib, [])):
             return None
-        tmp.replace(lib)  # atomic: two processes building at once never load half a file
     dll = ctypes.CDLL(str(lib))
     dll.q4_best_path.restype = ctypes.c_int
+    dll.decoder_forward.restype = ctypes.c_int
     return dll
 
 
@@ -59,17 +78,21 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 class Q4Weights:
-    """A weight [N, K] as the kernel reads it, from int4 codes [N, K] (0..15) and per-block d, m [N, K / 32] with
-    w = d * code + m. N a multiple of 8, K of 32."""
+    """A weight [N, K] as the kernel reads it, from int4 codes [N, K] (0..15) and per-block scale, zero [N, K / 32]
+    (bf16) with w = scale * (code - 8) + zero. N a multiple of 8, K of 32."""
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         N, K = codes.shape
         self.N, self.K, self.KB = N, K, K // QK
         codes = codes.to(torch.uint8).contiguous()
         self.packed = torch.empty(N * K // 2, dtype=torch.uint8)
         library().q4_pack(_ptr(codes), N, K, _ptr(self.packed))
         # [N / 8, KB, 8]: a block's 8 outputs of a group load as one vector
-        self.d, self.m = (v.float().view(N // 8, 8, self.KB).transpose(1, 2).contiguous() for v in (d, m))
+        self.d, self.m = (v.to(torch.bfloat16).view(N // 8, 8, self.KB).transpose(1, 2).contiguous()
+                          for v in (scale, zero))
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * self.d.numel() + 2 * self.m.numel()
 
     def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
@@ -77,9 +100,9 @@ class Q4Weights:
         M, K = x.shape
         x = x.contiguous()
         qx = torch.empty(M, K, dtype=torch.int8)
-        sx, xs = torch.empty(M, self.KB), torch.empty(M, self.KB)
-        lib.q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs))
+        sx, xs, qs = torch.empty(M, self.KB), torch.empty(M, self.KB), torch.empty(M, self.KB, dtype=torch.int32)
+        lib.q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs), _ptr(qs))
         y = torch.empty(M, self.N)
-        lib.q4_gemm(_ptr(self.packed), _ptr(self.d), _ptr(self.m), self.N, K, _ptr(qx), _ptr(sx), _ptr(xs), M, _ptr(y),
-                    torch.get_num_threads(), best_path() if path is None else path)
+        lib.q4_gemm(_ptr(self.packed), _ptr(self.d), _ptr(self.m), self.N, K, _ptr(qx), _ptr(sx), _ptr(xs), _ptr(qs),
+                    M, _ptr(y), torch.get_num_threads(), best_path() if path is None else path)
         return y
