@@ -1,4 +1,5 @@
-"""`blockspec train-draft`: train a DFlash drafter for a target (data from prompts or pre-built shards)."""
+"""`blockspec train-draft`: train a DFlash (or, with --arch dflash2, DFlash 2) drafter for a target (data from prompts
+or pre-built shards)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from blockspec.cli.config_flags import add_config_flags, add_deprecated_alias, flags_given
+from blockspec.cli.config_flags import add_config_flags, add_deprecated_alias, flags_given, name_the_flag
 from blockspec.cli.flags import add_device_args, add_dist_timeout_arg, add_model_arg
-from blockspec.train.config import TrainConfig
+from blockspec.train.config import DFLASH2_DEFAULTS, DraftArch, TrainConfig
 
 if TYPE_CHECKING:
     from blockspec.loading.loader import LoadedModel
@@ -39,7 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                      "draft-data`), trained on together")
     p.add_argument("--out", required=True, help="output directory: the drafter (config.json + model.safetensors), "
                    "checkpoint.pt, train_log.jsonl, train_report.json")
-    g = p.add_argument_group("drafter (new drafters; --init takes these from its config, except --draft-layers)")
+    g = p.add_argument_group("drafter (new drafters; --init takes these from its config, except --draft-layers and "
+                             "--arch dflash2)")
     g.add_argument("--init", default=None, metavar="DIR", help="continue from an exported drafter")
     g.add_argument("--draft-layers", type=int, default=None, help="draft decoder layers (default 5); with --init, "
                    "grows the drafter to N layers, the new ones starting as the identity (it drafts as before)")
@@ -50,6 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(default: 5 spread over the depth)")
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     g.add_argument("--mask-token-id", type=int, default=None, help="default: the last vocabulary id")
+    add_config_flags(g, DraftArch)
     t = p.add_argument_group("training")
     add_config_flags(t, TrainConfig, skip=_EVAL_FIELDS)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from blockspec.train.launch import join, launched, session, world
 
     cfg = TrainConfig(**flags_given(args, TrainConfig))
+    arch = _draft_arch(args)
     if args.eval_num_prompts is not None and args.eval_num_prompts < 0:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
     shape_flags = {"--draft-block-size": args.draft_block_size,
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         check_global_batch(cfg.grad_accum, world()[1])  # before the rendezvous: every rank says it, none waits
         dp = join(args.device, args.dist_timeout, fsdp=args.fsdp)
     with session(dp):
-        report = _train(args, cfg, dp)
+        report = _train(args, cfg, arch, dp)
     if dp is None or dp.main:
         tau = f", tau {report['tau']:.3f}" if report["tau"] is not None else ""
         if report["val"] is not None:
@@ -115,6 +119,28 @@ def run(args: argparse.Namespace) -> int:
               f"{report['train_time_s']}s ({report['tokens_per_s']} tokens/s){tau}; drafter written to {args.out}",
               file=sys.stderr)
     return 0
+
+
+def _draft_arch(args: argparse.Namespace) -> DraftArch:
+    """--arch and the DFlash 2 fields, checked against each other and against --init before anything loads."""
+    from blockspec.errors import BlockspecError, ConfigError
+
+    given = flags_given(args, DraftArch)
+    try:
+        arch = DraftArch(**given)
+    except ConfigError as e:
+        raise name_the_flag(e, DraftArch) from None
+    fields = ["--" + k.replace("_", "-") for k in DFLASH2_DEFAULTS if k in given]
+    if fields and not arch.dflash2:
+        where = (f"{args.init}/config.json gives them" if args.init is not None and arch.arch is None else
+                 "DFlash 1 has no such fields")
+        raise BlockspecError(f"{', '.join(fields)}: DFlash 2 fields, for --arch dflash2 only ({where})")
+    if args.init is not None and arch.arch == "dflash":
+        raise BlockspecError(f"--arch dflash cannot be combined with --init (the drafter's architecture comes from "
+                             f"{args.init}/config.json; --arch dflash2 --init upgrades a DFlash 1 drafter)")
+    if args.init is None and not arch.dflash2 and "selector_weight" in flags_given(args, TrainConfig):
+        raise BlockspecError("--selector-weight applies to DFlash 2 drafters only (--arch dflash2)")
+    return arch
 
 
 def _check_fsdp(args: argparse.Namespace, is_rank: bool) -> None:
@@ -131,7 +157,7 @@ def _check_fsdp(args: argparse.Namespace, is_rank: bool) -> None:
                              f"to run the engine's tau evaluation (use --val-fraction, and eval-draft afterwards)")
 
 
-def _train(args: argparse.Namespace, cfg: TrainConfig, dp: DataParallel | None) -> dict[str, Any]:
+def _train(args: argparse.Namespace, cfg: TrainConfig, arch: DraftArch, dp: DataParallel | None) -> dict[str, Any]:
     """Load the target, the data and the drafter (on every rank under torchrun; a failure on one rank ends every
     rank with its message), then train."""
     from blockspec.loading.loader import LoadConfig, load_model
@@ -153,14 +179,15 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, dp: DataParallel | None) 
     eval_prompts = together(lambda: _eval_prompts(lm, args))
     out = Path(args.out)
     data_dirs = [Path(d) for d in args.data] if args.data is not None else [_generate(lm, args, out / "data", dp)]
-    setup, data = together(lambda: _draft_and_data(lm, args, cfg, data_dirs, dp))
+    setup, data = together(lambda: _draft_and_data(lm, args, cfg, arch, data_dirs, dp))
     return train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume, dp=dp)
 
 
-def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig, data_dirs: list[Path],
-                    dp: DataParallel | None) -> tuple[DraftSetup, TrainingSet]:
+def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig, arch: DraftArch,
+                    data_dirs: list[Path], dp: DataParallel | None) -> tuple[DraftSetup, TrainingSet]:
     from blockspec.data.shards import read_shards
     from blockspec.errors import BlockspecError
+    from blockspec.models.dflash2 import DFlash2DraftModel
     from blockspec.train.dataset import prepare
     from blockspec.train.setup import DraftShape, draft_from, new_draft
 
@@ -173,13 +200,17 @@ def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig,
                                  f"[0, {lm.config.vocab_size}): the data was made for another target")
         seqs += part
     device = dp.device if dp is not None else next(lm.model.parameters()).device
+    dflash2 = arch.dflash2_fields() if arch.dflash2 else None
     if args.init is not None:
-        setup = draft_from(lm, args.init, device, args.draft_layers, args.seed)
+        setup = draft_from(lm, args.init, device, args.draft_layers, args.seed, dflash2)
+        if "selector_weight" in flags_given(args, TrainConfig) and not isinstance(setup.model, DFlash2DraftModel):
+            raise BlockspecError(f"--selector-weight applies to DFlash 2 drafters only, and {args.init} is a DFlash 1 "
+                                 f"drafter (--arch dflash2 upgrades it)")
     else:
         shape = DraftShape(**{k: v for k, v in {
             "num_layers": args.draft_layers, "block_size": args.draft_block_size,
             "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size,
-            "mask_token_id": args.mask_token_id}.items() if v is not None})
+            "mask_token_id": args.mask_token_id, "dflash2": dflash2}.items() if v is not None})
         setup = new_draft(lm, shape, args.seed, device)
     return setup, prepare(seqs, cfg, " + ".join(map(str, data_dirs)))
 

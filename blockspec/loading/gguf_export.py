@@ -210,6 +210,9 @@ def _read_draft(draft: str) -> tuple[ModelSource, DFlashConfig, str]:
     src = resolve_source(draft)
     where = str(src.path / "config.json") if src.path.is_dir() else str(src.path)
     archs = src.config.get("architectures") or []
+    if src.path.is_dir() and archs[:1] == ["DFlash2DraftModel"]:
+        raise ModelLoadError(f"{where}: architectures={archs}: GGUF export of DFlash 2 drafters is not supported yet "
+                             f"(DFlash 1 drafters only, architectures=['DFlashDraftModel'])")
     if not src.path.is_dir() or archs[:1] != ["DFlashDraftModel"] or "dflash_config" not in src.config:
         raise ModelLoadError(f"{where}: not a DFlash drafter (expected a directory whose config.json has "
                              f"architectures=['DFlashDraftModel'] and a dflash_config; got architectures={archs})")

@@ -33,6 +33,14 @@ class CandidateSelector(nn.Module):
         unary, ids = torch.topk(logits.float(), self.top_k, dim=-1, sorted=True)
         return unary, ids
 
+    def score(self, proj: torch.Tensor, prev: torch.Tensor, succ: torch.Tensor, unary: torch.Tensor) -> torch.Tensor:
+        """One position's candidate scores [N, k] from its projected hidden state proj [N, r] (fp32), the previous
+        token prev [N], the candidates' successor codes succ [N, k, r] (fp32) and their unary logits [N, k]. Shared
+        by the pass below and by training (train/selector_loss.py), so both score with the same roundings: (predecessor
+        code * projected hidden) . successor code, in the reference's order."""
+        pred = F.embedding(prev, self.predecessor_codebook).float() * proj  # [N, r]
+        return unary + torch.bmm(succ, pred[:, :, None])[..., 0]
+
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
                temperature: torch.Tensor | None = None, noise: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -52,9 +60,7 @@ class CandidateSelector(nn.Module):
         picks: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(K):
-            # (predecessor code * projected hidden) . successor code, in the reference's order of roundings
-            pred = F.embedding(prev, self.predecessor_codebook).float() * proj[:, i]  # [B, r]
-            scores = unary[:, i] + torch.bmm(succ[:, i], pred[:, :, None])[..., 0]  # [B, k]
+            scores = self.score(proj[:, i], prev, succ[:, i], unary[:, i])  # [B, k]
             idx = scores.argmax(-1)
             if temperature is not None and noise is not None:
                 # a greedy row's temperature 0 is replaced by 1 only to keep its (unused) q finite

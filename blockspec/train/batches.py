@@ -5,6 +5,7 @@ Every random choice (the epoch's sequence order, each micro-batch's anchors) com
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,9 @@ class Capacity:
 
     @property
     def rows(self) -> int:
-        """Block rows of a padded micro-batch."""
-        return round_up(self.anchors * self.block_size, TILE)
+        """Block rows of a padded micro-batch: a multiple of the tile and of B (whole blocks, padding included:
+        DFlash 2's convolutions run block by block)."""
+        return round_up(self.anchors * self.block_size, math.lcm(TILE, self.block_size))
 
 
 @dataclass

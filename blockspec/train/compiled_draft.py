@@ -27,17 +27,18 @@ class _OutsideGraph:
 
 
 class CompiledDraftPass:
-    """Callable like DFlashDraftModel.forward(embeds [Q, H], positions [Q], attn) -> [Q, H]; the same parameters, so
-    the optimizer, checkpoints and export see no difference. backend: torch.compile's ("inductor" on CUDA; the CPU
-    tests use "aot_eager", which checks the graph breaks and autograd without generating code)."""
+    """Callable like DFlashDraftModel.forward(embeds [Q, H], positions [Q], attn, rows) -> [Q, H]; the same
+    parameters, so the optimizer, checkpoints and export see no difference. backend: torch.compile's ("inductor" on
+    CUDA; the CPU tests use "aot_eager", which checks the graph breaks and autograd without generating code)."""
 
     def __init__(self, draft: DFlashDraftModel, backend: str = "inductor") -> None:
         self.compiled = torch.compile(draft, backend=backend, dynamic=False)
         self.attn = _OutsideGraph()
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn) -> torch.Tensor:
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn,
+                 rows: int | None = None) -> torch.Tensor:
         self.attn.inner = attn
         try:
-            return self.compiled(embeds, positions, self.attn)
+            return self.compiled(embeds, positions, self.attn, rows)
         finally:
             self.attn.inner = None  # the micro-batch's K/V are not kept alive past its forward

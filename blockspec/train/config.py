@@ -10,7 +10,8 @@ from blockspec.errors import ConfigError
 # Fields that fix the sequence of batches and updates: a checkpoint resumes only under the same values.
 TRAJECTORY_FIELDS = ("num_anchors", "epochs", "lr", "weight_decay", "warmup_ratio", "grad_clip", "grad_accum",
                      "batch_anchors", "batch_tokens", "max_seq_len", "seed", "loss_gamma", "attention", "val_fraction",
-                     "walk_weight", "distill_weight", "prefix_weight", "opening_weight", "opening_tokens")
+                     "walk_weight", "distill_weight", "prefix_weight", "opening_weight", "opening_tokens",
+                     "selector_weight")
 
 
 @dataclass
@@ -78,6 +79,10 @@ class TrainConfig:
                                  "tokens, where acceptance is lowest; 0: off (experimental)"})
     opening_tokens: int = field(default=64, metadata={
         "metavar": "N", "help": "what --opening-weight counts as a response's opening (default 64)"})
+    # DFlash 2 only: the candidate selector's own loss (train/selector_loss.py) is added with this weight
+    selector_weight: float = field(default=1.0, metadata={
+        "metavar": "W", "help": "DFlash 2: weight of the candidate selector's loss (cross-entropy over its top-k "
+                                 "candidates given the true previous token) beside the block loss (default 1)"})
     # how: train/compiled_draft.py
     compile_draft: bool = field(default=False, metadata={
         "help": "CUDA: run the draft layers under torch.compile, fusing their element-wise work over the block rows "
@@ -110,7 +115,7 @@ class TrainConfig:
             raise ConfigError(f"distill_weight={self.distill_weight!r} must be in [0, 1]")
         if not 0 <= self.prefix_weight <= 1:
             raise ConfigError(f"prefix_weight={self.prefix_weight!r} must be in [0, 1]")
-        for name in ("walk_weight", "opening_weight"):
+        for name in ("walk_weight", "opening_weight", "selector_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
         if not 0 <= self.val_fraction < 1:
@@ -126,3 +131,44 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# z-lab's published DFlash 2 drafters (e.g. for Qwen3.8-27B) use these values
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+@dataclass
+class DraftArch:
+    """Which drafter a new run trains (`--arch`) and, for DFlash 2, its own config fields (docs/dflash2.md). With
+    --init the drafter's config.json decides, except that `--arch dflash2` upgrades a DFlash 1 drafter."""
+
+    arch: str | None = field(default=None, metadata={
+        "choices": ["dflash", "dflash2"], "metavar": "{dflash,dflash2}",
+        "help": "drafter architecture: dflash (DFlash 1, the default) or dflash2 (convolutions along the block and "
+                "a candidate selector, docs/dflash2.md); with --init, dflash2 upgrades a DFlash 1 drafter (it then "
+                "drafts as before: identity convolutions, a selector that picks the argmax)"})
+    conv_kernel_size: int = field(default=DFLASH2_DEFAULTS["conv_kernel_size"], metadata={
+        "metavar": "K", "help": "DFlash 2: taps of each causal convolution along the block (default 2)"})
+    conv_group_size: int = field(default=DFLASH2_DEFAULTS["conv_group_size"], metadata={
+        "metavar": "G", "help": "DFlash 2: channels sharing one dynamic kernel weight; divides the hidden size "
+                                "(default 16)"})
+    selector_rank: int = field(default=DFLASH2_DEFAULTS["selector_rank"], metadata={
+        "metavar": "R", "help": "DFlash 2: rank of the selector's predecessor / successor codebooks (default 256)"})
+    selector_top_k: int = field(default=DFLASH2_DEFAULTS["selector_top_k"], metadata={
+        "metavar": "K", "help": "DFlash 2: candidates per draft position the selector picks from (default 16)"})
+
+    def __post_init__(self) -> None:
+        if self.arch not in (None, "dflash", "dflash2"):
+            raise ConfigError(f"arch={self.arch!r} must be dflash or dflash2", field="arch")
+        for name in DFLASH2_DEFAULTS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 1", field=name)
+
+    @property
+    def dflash2(self) -> bool:
+        return self.arch == "dflash2"
+
+    def dflash2_fields(self) -> dict[str, int]:
+        """The DFlash 2 config fields, as config.json's dflash_config holds them."""
+        return {name: getattr(self, name) for name in DFLASH2_DEFAULTS}

@@ -1,4 +1,6 @@
-"""Write DFlash drafters in the z-lab checkpoint format (config.json with dflash_config + model.safetensors)."""
+"""Write DFlash drafters in the z-lab checkpoint format (config.json with dflash_config + model.safetensors); DFlash 2
+drafters as z-lab publishes them (architectures ["DFlash2DraftModel"], the DFlash 2 fields in dflash_config, the
+selector's codebooks as raw tensors without `.weight`), readable by blockspec and by the `dflash` package alike."""
 
 from __future__ import annotations
 
@@ -11,19 +13,24 @@ from safetensors.torch import save_file
 
 from blockspec.models.config import ModelConfig
 from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from blockspec.models.dflash_config import DFlashConfig, default_target_layer_ids
+
+DFLASH2 = "DFlash2DraftModel"
 
 
 def draft_config_dict(target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int,
-                      target_layer_ids: list[int] | None = None, intermediate_size: int | None = None) -> dict[str, Any]:
-    """A z-lab style config.json for a drafter of `target` (attention shape copied from the target)."""
+                      target_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
+                      dflash2: dict[str, int] | None = None) -> dict[str, Any]:
+    """A z-lab style config.json for a drafter of `target` (attention shape copied from the target); dflash2: the
+    DFlash 2 fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) for a DFlash 2 drafter."""
     ids = target_layer_ids if target_layer_ids is not None else \
         default_target_layer_ids(target.num_hidden_layers, 5 if target.num_hidden_layers >= 8 else 1)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": target.rope_theta}
     if target.rope_scaling:
         rope = {**target.rope_scaling, "rope_theta": target.rope_theta}
     return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "architectures": [DFLASH2 if dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": target.hidden_size, "intermediate_size": intermediate_size or target.intermediate_size,
         "num_hidden_layers": num_layers, "num_attention_heads": target.num_attention_heads,
         "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
@@ -31,7 +38,8 @@ def draft_config_dict(target: ModelConfig, num_layers: int, block_size: int, mas
         "max_position_embeddings": target.max_position_embeddings, "attention_bias": False,
         "layer_types": ["full_attention"] * num_layers, "sliding_window": None,
         "vocab_size": target.vocab_size, "block_size": block_size, "num_target_layers": target.num_hidden_layers,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids, "block_size": block_size},
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids, "block_size": block_size,
+                          **(dflash2 or {})},
         "dtype": "bfloat16", "tie_word_embeddings": False,
     }
 
@@ -64,12 +72,17 @@ def save_draft(model: DFlashDraftModel, config: dict[str, Any], out_dir: str | P
     return out
 
 
+def is_dflash2(config: dict[str, Any]) -> bool:
+    return (config.get("architectures") or [None])[0] == DFLASH2
+
+
 def random_draft(config: dict[str, Any], seed: int = 0, source: str = "init_draft") -> DFlashDraftModel:
-    """A randomly initialized fp32 drafter for a draft_config_dict: weight matrices N(0, 0.02), norms at 1.
-    source names the config in errors."""
-    dcfg = DFlashConfig.from_hf(config, source)
+    """A randomly initialized fp32 drafter for a draft_config_dict: weight matrices N(0, 0.02), norms at 1; a DFlash 2
+    drafter's additions start neutral (init_dflash2). source names the config in errors."""
+    dcfg = (DFlash2Config if is_dflash2(config) else DFlashConfig).from_hf(config, source)
     torch.manual_seed(seed)
-    model = DFlashDraftModel(dcfg, num_taps=len(dcfg.target_layer_ids or []))
+    cls = DFlash2DraftModel if isinstance(dcfg, DFlash2Config) else DFlashDraftModel
+    model = cls(dcfg, num_taps=len(dcfg.target_layer_ids or []))  # type: ignore[arg-type]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -77,7 +90,31 @@ def random_draft(config: dict[str, Any], seed: int = 0, source: str = "init_draf
                 # numbers when a block's size is not a multiple of 16, and a seed keeps its drafter
                 for part in p.split(model.shard_sizes(name)) if name.endswith("qkv_proj.weight") else [p]:
                     torch.nn.init.normal_(part, std=0.02)
+    if isinstance(model, DFlash2DraftModel):
+        init_dflash2(model, seed)
     return model
+
+
+@torch.no_grad()
+def init_dflash2(model: DFlash2DraftModel, seed: int) -> None:
+    """Start a DFlash 2 drafter's additions neutral, so that it drafts as a DFlash 1 drafter would:
+    - each convolution the identity: base kernel 1 at offset 0 and 0 elsewhere, no dynamic part (kernel_projection
+      zero; its gradient, the shifted inputs, is not, so it learns from the first step);
+    - the selector the argmax: the successor codebook zero, so every score is the candidate's logit. The predecessor
+      codebook starts N(0, 1) (nn.Embedding's own init, the reference's module) and the hidden projection N(0, 0.02)
+      (random_draft), so the successor codes get a gradient at once; a trilinear score whose three factors all
+      started near zero would sit at a saddle and learn slowly.
+    A new DFlash 2 drafter thus starts where its block loss alone would take it, and a DFlash 1 drafter upgraded
+    with these additions (train/setup.py) drafts exactly as before."""
+    for layer in model.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel.zero_()
+            conv.base_kernel[:, 0] = 1.0
+            conv.kernel_projection.weight.zero_()
+    sel = model.candidate_selector
+    gen = torch.Generator().manual_seed(seed + 1)
+    sel.predecessor_codebook.copy_(torch.randn(sel.predecessor_codebook.shape, generator=gen))
+    sel.successor_codebook.zero_()
 
 
 def init_draft(target: ModelConfig, out_dir: str | Path, num_layers: int = 1, block_size: int = 16,

@@ -8,7 +8,10 @@ gradient rows by the same factors).
 With distillation (--distill-weight W) the label of a row is (1 - W) onehot + W p, p the target's own next-token
 distribution at the position before the label (its final hidden row through the same lm_head, in the same chunk).
 The lm_head is frozen, so no weight gradient is needed. On CUDA the chunk function is compiled (fused softmax, no fp32
-logits in memory) and chunks are padded to one size so it compiles once."""
+logits in memory) and chunks are padded to one size so it compiles once.
+For a DFlash 2 drafter the same chunks also hand back each row's top-k logits and their token ids (the candidate
+selector's candidates and unary scores, formed as at inference), so its loss (train/selector_loss.py) needs no second
+pass through the lm_head."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from blockspec.models.dflash_config import DFlashConfig
 
 CHUNK_ELEMENTS = 1 << 27  # logits per chunk (256 MB in bf16)
 
-ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+ChunkFn = Callable[..., tuple[torch.Tensor, ...]]
+Candidates = tuple[torch.Tensor, torch.Tensor]  # [R, k] fp32 logits (no grad) and [R, k] their token ids
 
 
 def chunk_rows(vocab_size: int) -> int:
@@ -51,20 +55,26 @@ def _grad_h(g: torch.Tensor, t: torch.Tensor | None, weight: torch.Tensor, multi
     return F.linear(g.to(weight.dtype), weight.t()).to(dtype)
 
 
+def _top(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """() or (values [N, k], ids [N, k]): sorted, as CandidateSelector.candidates takes them at inference."""
+    return tuple(torch.topk(logits, top_k, dim=-1, sorted=True)) if top_k else ()
+
+
 def ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, multiplier: float,
-             softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [N, H], weight [V, H] (lm_head), labels [N], w [N] -> (w * CE [N], d(w * CE)/dh [N, H], argmax hits [N]).
-    The logits are those of DFlashDraftModel.compute_logits."""
+             softcap: float | None, top_k: int = 0) -> tuple[torch.Tensor, ...]:
+    """h [N, H], weight [V, H] (lm_head), labels [N], w [N] -> (w * CE [N], d(w * CE)/dh [N, H], argmax hits [N]),
+    and with top_k the top-k logits and their ids [N, k]. The logits are those of DFlashDraftModel.compute_logits."""
     logits, t = _logits(h, weight, multiplier, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     loss = (lse - logits.gather(1, labels[:, None])[:, 0]) * w
     g = torch.exp(logits - lse[:, None]).scatter_add(1, labels[:, None], -torch.ones_like(logits[:, :1]))
-    return loss, _grad_h(g * w[:, None], t, weight, multiplier, h.dtype), logits.argmax(-1) == labels
+    return (loss, _grad_h(g * w[:, None], t, weight, multiplier, h.dtype), logits.argmax(-1) == labels,
+            *_top(logits, top_k))
 
 
 def soft_ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, target_h: torch.Tensor,
-                  alpha: float, multiplier: float, softcap: float | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  alpha: float, multiplier: float, softcap: float | None, top_k: int = 0
+                  ) -> tuple[torch.Tensor, ...]:
     """ce_chunk against the mixed label y = (1 - alpha) * onehot(label) + alpha * p, where p is the target's own
     next-token distribution (its final hidden rows target_h [N, H] through the same lm_head): the loss is
     w * (lse - <y, logits>) and its gradient w * (softmax - y), so the drafter also learns how the target ranks the
@@ -75,45 +85,51 @@ def soft_ce_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w
     lse = torch.logsumexp(logits, dim=-1)
     loss = (lse - (y * logits).sum(-1)) * w
     g = (torch.exp(logits - lse[:, None]) - y) * w[:, None]
-    return loss, _grad_h(g, t, weight, multiplier, h.dtype), logits.argmax(-1) == labels
+    return loss, _grad_h(g, t, weight, multiplier, h.dtype), logits.argmax(-1) == labels, *_top(logits, top_k)
 
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, w, fn, chunk, target_h):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, w, fn, chunk, target_h, top_k):  # type: ignore[override]
+        N, dev = hidden.shape[0], hidden.device
         grad = torch.empty_like(hidden)
-        hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
+        hits = torch.empty(N, dtype=torch.bool, device=dev)
+        losses = torch.empty(N, dtype=torch.float32, device=dev)
+        top_v = torch.empty(N, top_k, dtype=torch.float32, device=dev)
+        top_i = torch.empty(N, top_k, dtype=torch.long, device=dev)
+        outs = (losses, grad, hits, top_v, top_i) if top_k else (losses, grad, hits)
+        for s in range(0, N, chunk):
             extra = () if target_h is None else (target_h[s:s + chunk],)
-            losses[s:s + chunk], grad[s:s + chunk], hits[s:s + chunk] = fn(hidden[s:s + chunk], weight,
-                                                                           labels[s:s + chunk], w[s:s + chunk], *extra)
+            for out, part in zip(outs, fn(hidden[s:s + chunk], weight, labels[s:s + chunk], w[s:s + chunk], *extra)):
+                out[s:s + chunk] = part
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(hits)
-        return losses, hits
+        ctx.mark_non_differentiable(hits, top_v, top_i)
+        return losses, hits, top_v, top_i
 
     @staticmethod
-    def backward(ctx, grad_losses, _grad_hits):  # type: ignore[override]
+    def backward(ctx, grad_losses, *_grad_rest):  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None, None
 
 
 class BlockLoss:
     """Weighted CE of chosen block rows. compiled=True: the chunk function goes through torch.compile and the rows
-    are padded (weight 0) to whole chunks, so every call has one shape."""
+    are padded (weight 0) to whole chunks, so every call has one shape. top_k > 0 (DFlash 2): scored() also returns
+    every scored row's top-k candidates."""
 
-    def __init__(self, cfg: DFlashConfig, lm_head_weight: torch.Tensor, compiled: bool, distill: float = 0.0) -> None:
+    def __init__(self, cfg: DFlashConfig, lm_head_weight: torch.Tensor, compiled: bool, distill: float = 0.0,
+                 top_k: int = 0) -> None:
         self.weight = lm_head_weight.detach()
         self.chunk = chunk_rows(self.weight.shape[0])
-        self.distill = distill
+        self.distill, self.top_k = distill, top_k
         mult, cap = cfg.output_multiplier, cfg.final_logit_softcapping
 
         def fn(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
-            return ce_chunk(h, weight, labels, w, mult, cap)
+            return ce_chunk(h, weight, labels, w, mult, cap, top_k)
 
         def soft_fn(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
                     target_h: torch.Tensor):
-            return soft_ce_chunk(h, weight, labels, w, target_h, distill, mult, cap)
+            return soft_ce_chunk(h, weight, labels, w, target_h, distill, mult, cap, top_k)
 
         chosen = soft_fn if distill > 0 else fn
         self.fn: ChunkFn = torch.compile(chosen, dynamic=False) if compiled else chosen
@@ -123,6 +139,11 @@ class BlockLoss:
                  target_h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [Q, H]; rows [R] (rows to score); labels, weights [Q]; with distill > 0 target_h [R, H], the
         target's final hidden row before each scored row's label -> (w * loss [R], hits [R])."""
+        return self.scored(hidden, rows, labels, weights, target_h)[:2]
+
+    def scored(self, hidden: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               target_h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Candidates | None]:
+        """As __call__, plus the scored rows' candidates when top_k > 0 (else None)."""
         R = len(rows)
         if (target_h is None) != (self.distill == 0):
             raise ValueError("target_h is needed exactly when distill > 0")
@@ -134,5 +155,6 @@ class BlockLoss:
         w = weights[rows]
         if self.pad:
             w[R:] = 0.0
-        losses, hits = _ChunkedCE.apply(hidden[rows], self.weight, labels[rows], w, self.fn, self.chunk, target_h)
-        return losses[:R], hits[:R]
+        losses, hits, top_v, top_i = _ChunkedCE.apply(hidden[rows], self.weight, labels[rows], w, self.fn,
+                                                      self.chunk, target_h, self.top_k)
+        return losses[:R], hits[:R], ((top_v[:R], top_i[:R]) if self.top_k else None)

@@ -1,4 +1,5 @@
-"""The drafter a run starts from: a new random one shaped after the target, or an exported one (--init)."""
+"""The drafter a run starts from: a new random one shaped after the target (DFlash 1 or 2), or an exported one
+(--init; `--arch dflash2` upgrades a DFlash 1 drafter to DFlash 2)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from blockspec.errors import BlockspecError
 from blockspec.loading.dflash_options import resolve_spec
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from blockspec.models.dflash_config import DFlashConfig
-from blockspec.train.export import draft_config_dict, random_draft
+from blockspec.train.export import DFLASH2, draft_config_dict, random_draft
 from blockspec.train.trainer import DraftSetup
 
 
@@ -26,6 +28,7 @@ class DraftShape:
     target_layer_ids: list[int] | None = None
     intermediate_size: int | None = None
     mask_token_id: int | None = None
+    dflash2: dict[str, int] | None = None  # a DFlash 2 drafter with these fields (train.config.DraftArch)
 
 
 def new_draft(lm: LoadedModel, shape: DraftShape, seed: int, device: torch.device) -> DraftSetup:
@@ -39,21 +42,27 @@ def new_draft(lm: LoadedModel, shape: DraftShape, seed: int, device: torch.devic
         raise BlockspecError(f"--intermediate-size={shape.intermediate_size} must be >= 1")
     mask = shape.mask_token_id if shape.mask_token_id is not None else lm.config.vocab_size - 1
     cfg = draft_config_dict(lm.config, shape.num_layers, shape.block_size, mask, shape.target_layer_ids,
-                            shape.intermediate_size)
-    dcfg = DFlashConfig.from_hf(cfg, "train-draft")
+                            shape.intermediate_size, shape.dflash2)
+    dcfg = (DFlash2Config if shape.dflash2 else DFlashConfig).from_hf(cfg, "train-draft")
     spec = resolve_spec(SpeculativeConfig(draft_model="train-draft"), dcfg, lm.config, "train-draft")
     return DraftSetup(random_draft(cfg, seed).to(device), cfg, spec.target_layer_ids, spec.mask_token_id)
 
 
 def draft_from(lm: LoadedModel, path: str, device: torch.device, num_layers: int | None = None,
-               seed: int = 0) -> DraftSetup:
+               seed: int = 0, dflash2: dict[str, int] | None = None) -> DraftSetup:
     """Continue from an exported drafter: its config.json as-is, its weights as fp32 master weights. num_layers
-    above the drafter's own appends layers that start as the identity (see grow_layers)."""
+    above the drafter's own appends layers that start as the identity (see grow_layers); dflash2 (the DFlash 2
+    fields) turns a DFlash 1 drafter into a DFlash 2 one that drafts as it did (see upgrade_to_dflash2)."""
     from blockspec.loading.draft_loader import load_draft
     from blockspec.loading.source import resolve_source
 
     loaded = load_draft(SpeculativeConfig(draft_model=path), lm)
     model, config = loaded.model.float(), dict(resolve_source(path).config)
+    if dflash2 is not None:
+        if isinstance(model, DFlash2DraftModel):
+            raise BlockspecError(f"--arch dflash2 --init {path}: that drafter is a DFlash 2 drafter already (its "
+                                 f"config.json gives its shape; leave out --arch and the DFlash 2 flags)")
+        model, config = upgrade_to_dflash2(model, config, dflash2, seed, f"--init {path}")
     have = model.config.num_hidden_layers
     if num_layers is not None and num_layers != have:
         if num_layers < have:
@@ -62,6 +71,23 @@ def draft_from(lm: LoadedModel, path: str, device: torch.device, num_layers: int
         model, config = grow_layers(model, config, num_layers, seed, f"--init {path}")
     model = model.to(device).train().requires_grad_(True)
     return DraftSetup(model, config, loaded.spec.target_layer_ids, loaded.spec.mask_token_id)
+
+
+def upgrade_to_dflash2(model: DFlashDraftModel, config: dict[str, Any], fields: dict[str, int], seed: int,
+                       source: str) -> tuple[DFlash2DraftModel, dict[str, Any]]:
+    """The DFlash 1 drafter as a DFlash 2 drafter: its own tensors, plus convolutions and a selector that start
+    neutral (identity convolutions, the selector picking the argmax: export.init_dflash2), so it drafts exactly as
+    before and training starts from its acceptance."""
+    dflash_config = {**(config.get("dflash_config") or {}), **fields}
+    config = dict(config, architectures=[DFLASH2], dflash_config=dflash_config)
+    upgraded = random_draft(config, seed, source)
+    assert isinstance(upgraded, DFlash2DraftModel)
+    missing, unexpected = upgraded.load_state_dict(model.state_dict(), strict=False)
+    stray = [k for k in missing if not (k.startswith("candidate_selector.") or "_conv." in k)]
+    if unexpected or stray:
+        raise BlockspecError(f"{source}: cannot upgrade this drafter to DFlash 2: its tensors do not map onto one "
+                             f"(unexpected {unexpected}, missing {stray})")
+    return upgraded, config
 
 
 def grow_layers(model: DFlashDraftModel, config: dict[str, Any], num_layers: int, seed: int, source: str

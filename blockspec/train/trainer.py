@@ -126,10 +126,10 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
     fwd = TrainingForward(lm.model, model, setup.tap_layers, cap, attention, compiled=cuda, walk_weight=cfg.walk_weight,
                           draft_backend="inductor" if cfg.compile_draft and cuda else None, distill=cfg.distill_weight,
                           prefix_weight=cfg.prefix_weight, opening_weight=cfg.opening_weight,
-                          opening_tokens=cfg.opening_tokens)
+                          opening_tokens=cfg.opening_tokens, selector_weight=cfg.selector_weight)
     w_slot = slot_weights(B, cfg.loss_gamma or default_gamma(B))
     params = [p for p in model.parameters() if p.requires_grad]
-    window = Window(B, device)
+    window = Window(B, device, selector=fwd.selector is not None)
     stop_at = min(total_steps, cfg.max_steps or total_steps)
     log = (out / LOG).open("a") if main else None
     bar = tqdm(total=stop_at, initial=min(progress.step, stop_at), desc="train-draft", unit="step",
@@ -203,8 +203,9 @@ def train(lm: LoadedModel, setup: DraftSetup, data: TrainingSet, cfg: TrainConfi
             # accuracy of the draft argmax per block slot over the window: mean, slot 1, slot B-1; and the
             # acceptance length those hits would give on the training blocks
             shown.update(acc=f"{s['acc_mean']:.3f}", acc1=f"{s['acc'][0]:.3f}", accK=f"{s['acc'][-1]:.3f}",
-                         tau=f"{s['tau']:.2f}",
-                         tok_s=f"{s['tokens_per_s']:.0f}")
+                         tau=f"{s['tau']:.2f}", tok_s=f"{s['tokens_per_s']:.0f}")
+            if "selector_loss" in s:  # DFlash 2
+                shown.update(sel=f"{s['selector_loss']:.3f}", recall=f"{s['candidate_recall']:.3f}")
             window.reset()
         bar.set_postfix(shown, refresh=False)
         bar.update(1)

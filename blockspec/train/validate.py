@@ -44,7 +44,7 @@ def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainCo
     scores its share of the held-out micro-batches; every rank returns the figures of all of them."""
     B, device = cap.block_size, fwd.device
     plan = plan_epoch([len(s.input_ids) for s in val.seqs], val.anchors, cap, generator(cfg.seed, 4))
-    window = Window(B, device)
+    window = Window(B, device, selector=fwd.selector is not None)
     walk_tokens = walk_steps = torch.zeros((), device=device)
 
     def micro_batch(j: int) -> MicroBatch:
@@ -70,5 +70,6 @@ def validate(fwd: TrainingForward, val: TrainingSet, cap: Capacity, cfg: TrainCo
         dp.sum_([walk])
         walk_tokens, walk_steps = walk[0], walk[1]
     s = window.summary()
-    return ({k: s[k] for k in ("loss", "acc", "acc_mean", "tau")}
+    keys = ("loss", "acc", "acc_mean", "tau", "selector_loss", "candidate_recall")  # the last two: DFlash 2
+    return ({k: s[k] for k in keys if k in s}
             | {"walk_tau": walk_tokens.item() / max(walk_steps.item(), 1.0), "sequences": len(val.seqs)})
