@@ -39,7 +39,8 @@ pytestmark = pytest.mark.skipif(not MODES, reason="no vectorized torch quantized
 RTOL = 2 ** -8
 # every kernel a mode may run: torch's (bf16 activations) where they work here, blockspec's q4 where it builds
 KERNELS = ([(m, cls) for m, cls in (("q4", Int4Linear), ("q8", Int8Linear)) if cpu_quant._works(m)]
-           + ([("q4", cpu_quant.NativeQ4Linear)] if q4.library() is not None else []))
+           + ([("q4", cpu_quant.NativeQ4Linear), ("q8", cpu_quant.NativeQ8Linear)] if q4.library() is not None else []))
+NATIVE = (cpu_quant.NativeQ4Linear, cpu_quant.NativeQ8Linear)
 
 
 def q8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ def q8_rows(x: torch.Tensor) -> torch.Tensor:
 def kernel_reference(cls: type, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What a kernel computes for x [M, K] on its dequantized weight: torch's kernels on bf16-rounded inputs, blockspec's
     on int8-quantized ones (fp32 accumulation either way)."""
-    if cls is cpu_quant.NativeQ4Linear:
+    if cls in NATIVE:
         return (q8_rows(x).double() @ weight.double().T).float()
     return x.bfloat16().float() @ weight.T
 
@@ -86,7 +87,8 @@ def test_quantized_linear_equals_the_dequantized_reference(mode, cls, bias):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(80, 96, generator=g) * 0.05, torch.randn(80, generator=g) if bias else None
     lin = cls(w, b)
-    assert type(quantize(mode, w, b)) is (cpu_quant.NativeQ4Linear if mode == "q4" and q4.library() else cls)
+    native = {"q4": cpu_quant.NativeQ4Linear, "q8": cpu_quant.NativeQ8Linear}[mode]
+    assert type(quantize(mode, w, b)) is (native if q4.library() else cls)
     assert not hasattr(lin, "weight")
     ref_w = reference_weight(mode, w)
     # the reference is a quantization of w: int4 in groups of 32 (a step is 1/15 of a group's range), int8 per row
@@ -144,7 +146,7 @@ class ReferenceLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernel_reference(self.cls, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
-        y = y if self.cls is cpu_quant.NativeQ4Linear else y.bfloat16().float()
+        y = y if self.cls in NATIVE else y.bfloat16().float()
         return y if self.bias is None else y + self.bias.float()
 
 

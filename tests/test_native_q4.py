@@ -56,3 +56,32 @@ def test_quantize_picks_the_native_kernel_for_q4_and_falls_back(monkeypatch):
     assert isinstance(cpu_quant.quantize("q4", w, None), cpu_quant.NativeQ4Linear)
     monkeypatch.setattr(q4, "library", lambda: None)  # no compiler: torch's int4 kernel
     assert type(cpu_quant.quantize("q4", w, None)) is cpu_quant.Int4Linear
+
+
+def q8_weights(N: int, K: int, seed: int) -> tuple[torch.Tensor, q4.Q8Weights]:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[0, :32] = -w[0, :32].abs().max()  # a code of -128 somewhere: |w| = 128 must not saturate the AVX2 sums
+    return w, q4.Q8Weights(*cpu_quant.int8_quantize(w))
+
+
+@pytest.mark.parametrize("N,K", [(8, 32), (24, 96), (64, 576)])
+def test_q8_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
+    w, W = q8_weights(N, K, N * K)
+    assert int(cpu_quant.int8_quantize(w)[0].min()) in (-128, -127)
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(3)) * 3
+    x[2] = 0
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for path in PATHS:
+            full = W.matmul(x, path)
+            outs.append(full)
+            for M in range(1, 18):
+                assert torch.equal(W.matmul(x[:M], path), full[:M]), (threads, path, M)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.all(outs[0][2] == 0)
+    w_deq = cpu_quant.reference_weight("q8", w).double()
+    x8 = x.view(17, K // 32, 32)
+    amax = x8.abs().amax(-1, keepdim=True)
+    xq = (torch.round(x8 * torch.where(amax > 0, 127 / amax, 0)) * amax / 127).view(17, K).double()
+    torch.testing.assert_close(outs[0].double(), xq @ w_deq.T, rtol=1e-5, atol=1e-5)

@@ -38,7 +38,10 @@ def check_mode(mode: str) -> str:
 
 
 def kernel_name(mode: str) -> str:
-    """What runs the linears in `mode` (for reports): the format and the torch op."""
+    """What runs the linears in `mode` (for reports): the format and the kernel."""
+    if mode in _KERNEL and q4.library() is not None:
+        weights = "int4 in blocks of 32" if mode == "q4" else "int8 per row"
+        return f"{weights} x int8 activations per block of 32 (blockspec/native, integer dot products)"
     return _KERNEL.get(mode, "the linears as loaded (no weight quantization)")
 
 
@@ -47,8 +50,8 @@ def supported(mode: str, device: torch.device) -> bool:
     runs a scalar loop, slower than the fp32 path), in a torch build whose op gives the right numbers."""
     if device.type != "cpu" or mode not in _KERNEL:
         return False
-    if mode == "q4" and q4.library() is not None:
-        return True  # blockspec's own kernel (NativeQ4Linear) built here
+    if q4.library() is not None:
+        return True  # blockspec's own kernels (NativeQ4Linear, NativeQ8Linear) built here
     vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
     return vector and _works(mode)
 
@@ -173,6 +176,21 @@ class NativeQ4Linear(QuantLinear):
         return y.view(*lead, self.out_features)
 
 
+class NativeQ8Linear(QuantLinear):
+    """q8 on blockspec's own kernel (blockspec/native/q8gemm.c), where it builds: Int8Linear's codes and row scales,
+    fp32 activations quantized per row and block of 32 to int8, integer dot products; fp32 out. Used for the q4
+    target's head and the drafter's reads of it, where torch's int8 kernel costs nearly a full pass per row."""
+
+    mode = "q8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
+        super().__init__(weight, bias, keep_weight)
+        codes, scale = int8_quantize(weight)
+        self.weights = q4.Q8Weights(codes, scale)
+
+    forward = NativeQ4Linear.forward
+
+
 class Int8Linear(QuantLinear):
     mode = "q8"
 
@@ -192,10 +210,13 @@ def fits(mode: str, weight: torch.Tensor) -> bool:
 
 
 def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> QuantLinear:
-    """q4: blockspec's kernel where it is built (fits() keeps outputs a multiple of 16), else torch's."""
+    """blockspec's kernels where they are built (fits() keeps outputs a multiple of 16; q8 needs inputs of whole
+    blocks of 32 there), else torch's."""
+    native = q4.library() is not None
     if mode == "q4":
-        return (NativeQ4Linear if q4.library() is not None else Int4Linear)(weight, bias, keep_weight)
-    return Int8Linear(weight, bias, keep_weight)
+        return (NativeQ4Linear if native else Int4Linear)(weight, bias, keep_weight)
+    use = native and weight.shape[1] % GROUP == 0
+    return (NativeQ8Linear if use else Int8Linear)(weight, bias, keep_weight)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""The native Q4 x Q8 kernel (q4gemm.c beside this file) and the decoder stack built on it (decoder.c, decoder.py):
+"""The native Q4 x Q8 and Q8 x Q8 kernels (q4gemm.c, q8gemm.c beside this file) and the decoder stack built on them
+(decoder.c, decoder.py):
 compiled with the machine's C compiler on first use into the user cache (~/.cache/blockspec/native,
 BLOCKSPEC_CACHE_DIR), loaded with ctypes. Written here because torch's
 CPU int4 kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations:
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "decoder.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "decoder.c")]
 QK = 32  # inputs per block
 
 
@@ -96,13 +97,40 @@ class Q4Weights:
 
     def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
-        lib = library()
-        M, K = x.shape
-        x = x.contiguous()
-        qx = torch.empty(M, K, dtype=torch.int8)
-        sx, xs, qs = torch.empty(M, self.KB), torch.empty(M, self.KB), torch.empty(M, self.KB, dtype=torch.int32)
-        lib.q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs), _ptr(qs))
+        M = x.shape[0]
+        qx, sx, xs, qs = quantize_rows(x, self.KB)
         y = torch.empty(M, self.N)
-        lib.q4_gemm(_ptr(self.packed), _ptr(self.d), _ptr(self.m), self.N, K, _ptr(qx), _ptr(sx), _ptr(xs), _ptr(qs),
-                    M, _ptr(y), torch.get_num_threads(), best_path() if path is None else path)
+        library().q4_gemm(_ptr(self.packed), _ptr(self.d), _ptr(self.m), self.N, self.K, _ptr(qx), _ptr(sx), _ptr(xs),
+                          _ptr(qs), M, _ptr(y), torch.get_num_threads(), best_path() if path is None else path)
+        return y
+
+
+def quantize_rows(x: torch.Tensor, KB: int) -> tuple[torch.Tensor, ...]:
+    """x [M, K] fp32 -> (codes int8 [M, K], sx, xs [M, KB], qs int32 [M, KB]): q4gemm.c's int8 activations."""
+    M, K = x.shape
+    x = x.contiguous()
+    qx = torch.empty(M, K, dtype=torch.int8)
+    sx, xs, qs = torch.empty(M, KB), torch.empty(M, KB), torch.empty(M, KB, dtype=torch.int32)
+    library().q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs), _ptr(qs))
+    return qx, sx, xs, qs
+
+
+class Q8Weights:
+    """A weight [N, K] of int8 codes with one scale per output row (w = code * scale), as q8gemm.c reads it. N a
+    multiple of 8, K of 32."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        N, K = codes.shape
+        self.N, self.K, self.KB = N, K, K // QK
+        self.packed = torch.empty(N * K, dtype=torch.int8)
+        library().q8w_pack(_ptr(codes.to(torch.int8).contiguous()), N, K, _ptr(self.packed))
+        self.scale = scale.float().contiguous()
+
+    def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
+        """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
+        M = x.shape[0]
+        qx, sx, _, _ = quantize_rows(x, self.KB)
+        y = torch.empty(M, self.N)
+        library().q8_gemm(_ptr(self.packed), _ptr(self.scale), self.N, self.K, _ptr(qx), _ptr(sx), M, _ptr(y),
+                          torch.get_num_threads(), best_path() if path is None else path)
         return y
