@@ -20,11 +20,9 @@ def weights(N: int, K: int, seed: int) -> tuple[torch.Tensor, q4.Q4Weights]:
     return w, q4.Q4Weights(codes, scale, zero)
 
 
-@pytest.mark.parametrize("N,K", [(8, 32), (24, 96), (64, 576)])
-def test_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
-    _, W = weights(N, K, N + K)
-    x = torch.randn(17, K, generator=torch.Generator().manual_seed(1)) * 3
-    x[3] = 0  # a zero row: scale 0
+def same_bits_everywhere(W: q4.Q4Weights | q4.Q8Weights, x: torch.Tensor) -> torch.Tensor:
+    """W @ x [17, K] on every path at 1 and 2 threads: the first M rows of a call and each row alone equal the full
+    call's, and every path and thread count gives the same bits; returns the result."""
     outs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -35,7 +33,15 @@ def test_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
                 assert torch.equal(W.matmul(x[:M], path), full[:M]), (threads, path, M)
             assert all(torch.equal(W.matmul(x[i:i + 1], path), full[i:i + 1]) for i in range(17))
     assert len(PATHS) >= 1 and all(torch.equal(o, outs[0]) for o in outs)
-    assert torch.all(outs[0][3] == 0)
+    return outs[0]
+
+
+@pytest.mark.parametrize("N,K", [(8, 32), (24, 96), (64, 576)])
+def test_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
+    _, W = weights(N, K, N + K)
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(1)) * 3
+    x[3] = 0  # a zero row: scale 0
+    assert torch.all(same_bits_everywhere(W, x)[3] == 0)
 
 
 def test_within_the_rounding_of_the_int8_activations():
@@ -70,18 +76,10 @@ def test_q8_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
     assert int(cpu_quant.int8_quantize(w)[0].min()) in (-128, -127)
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(3)) * 3
     x[2] = 0
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for path in PATHS:
-            full = W.matmul(x, path)
-            outs.append(full)
-            for M in range(1, 18):
-                assert torch.equal(W.matmul(x[:M], path), full[:M]), (threads, path, M)
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    assert torch.all(outs[0][2] == 0)
+    out = same_bits_everywhere(W, x)
+    assert torch.all(out[2] == 0)
     w_deq = cpu_quant.reference_weight("q8", w).double()
     x8 = x.view(17, K // 32, 32)
     amax = x8.abs().amax(-1, keepdim=True)
     xq = (torch.round(x8 * torch.where(amax > 0, 127 / amax, 0)) * amax / 127).view(17, K).double()
-    torch.testing.assert_close(outs[0].double(), xq @ w_deq.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), xq @ w_deq.T, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ draft layer). Loops over sequences on the host: clarity over speed."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,13 +90,30 @@ class PagedTargetAttention(AttentionBase):
 
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
         self.pool, self.batch = pool, batch
-        self.qs, kv_lens = batch.host_lists()
-        self.written = written_rows(batch.slot_mapping)  # the same for every layer
-        self.contexts = context_rows(batch, kv_lens, pool.block_size)
-        self.masks = []
-        for i, n in enumerate(kv_lens):
-            q_pos = batch.positions[self.qs[i]:self.qs[i + 1]]
-            self.masks.append(build_mask(q_pos, torch.arange(n, device=q_pos.device), causal=True))
+
+    # Built on first use, once per forward: a model whose native layer stack runs the attention itself
+    # (RowwiseTargetAttention.native_paged) never needs them.
+    @functools.cached_property
+    def _host(self) -> tuple[list[int], list[int]]:
+        return self.batch.host_lists()
+
+    @property
+    def qs(self) -> list[int]:
+        return self._host[0]
+
+    @functools.cached_property
+    def written(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return written_rows(self.batch.slot_mapping)  # the same for every layer
+
+    @functools.cached_property
+    def contexts(self) -> list[slice | torch.Tensor]:
+        return context_rows(self.batch, self._host[1], self.pool.block_size)
+
+    @functools.cached_property
+    def masks(self) -> list[torch.Tensor]:
+        pos = self.batch.positions
+        return [build_mask(pos[self.qs[i]:self.qs[i + 1]], torch.arange(n, device=pos.device), causal=True)
+                for i, n in enumerate(self._host[1])]
 
     def context(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this layer's new k/v rows; its (k, v) caches."""
@@ -125,9 +143,9 @@ class RowwiseTargetAttention(PagedTargetAttention):
     near-tie, and greedy speculative output would stop equalling plain decoding. Longer runs (prefill) are computed
     alike by plain and speculative engines and keep the one masked call."""
 
-    def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
-        super().__init__(pool, batch)
-        self.positions = batch.positions.tolist()
+    @functools.cached_property
+    def positions(self) -> list[int]:
+        return self.batch.positions.tolist()
 
     @property
     def native_paged(self) -> tuple[KVPool, PagedBatch] | None:

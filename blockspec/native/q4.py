@@ -68,6 +68,7 @@ def library() -> ctypes.CDLL | None:
     return dll
 
 
+@functools.lru_cache(maxsize=None)
 def best_path() -> int:
     """2: AVX512-VNNI, 1: AVX2, 0: scalar (all three give the same bits)."""
     lib = library()
