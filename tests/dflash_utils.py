@@ -16,14 +16,15 @@ needs_bf16 = pytest.mark.skipif(not cpu_packed.bf16_supported(torch.device("cpu"
 
 
 def make_zlab_draft(target_cfg, path: Path, *, layers: int = 2, block_size: int = 8, target_layer_ids=(0, 1),
-                    mask_token_id: int = 127, seed: int = 0, scale: float = 1.0, **extra: Any):
+                    mask_token_id: int = 127, seed: int = 0, scale: float = 1.0, intermediate_size: int = 80,
+                    head_dim: int = 16, **extra: Any):
     """Write a random z-lab DFlashDraftModel for a tiny target via its own save_pretrained; return the module."""
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(
-        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=80,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         max_position_embeddings=512, rope_theta=10000.0, use_sliding_window="sliding_window" in extra,
         **{k: v for k, v in extra.items() if k in ("layer_types", "sliding_window")},
     )

@@ -90,10 +90,14 @@ def test_quantized_linear_equals_the_dequantized_reference(mode, cls, bias):
     native = {"q4": cpu_quant.NativeQ4Linear, "q8": cpu_quant.NativeQ8Linear}[mode]
     assert type(quantize(mode, w, b)) is (native if q4.library() else cls)
     assert not hasattr(lin, "weight")
-    ref_w = reference_weight(mode, w)
+    ref_w = reference_weight(mode, w, cls in NATIVE)
     # the reference is a quantization of w: int4 in groups of 32 (a step is 1/15 of a group's range), int8 per row
-    step = (w.abs().amax(-1, keepdim=True) / 127 if mode == "q8"
-            else (w.view(80, 3, 32).amax(-1) - w.view(80, 3, 32).amin(-1)).repeat_interleave(32, -1) / 15)
+    # (torch's) or per group of 32 (blockspec's)
+    groups = w.view(80, 3, 32)
+    step = (groups.abs().amax(-1) / 127 if cls is cpu_quant.NativeQ8Linear
+            else w.abs().amax(-1, keepdim=True) / 127 if mode == "q8"
+            else (groups.amax(-1) - groups.amin(-1)) / 15)
+    step = step.repeat_interleave(32, -1) if step.shape[-1] == 3 else step
     assert ((ref_w - w).abs() <= 0.51 * step).all()
     for shape, dtype in [((1, 96), torch.float32), ((5, 96), torch.float32), ((2, 7, 96), torch.float32),
                          ((4, 96), torch.bfloat16), ((0, 96), torch.float32)]:
@@ -117,6 +121,24 @@ def test_q4_keeps_the_codes_of_a_q4_1_gguf():
     q, scale, zero = cpu_quant.int4_quantize(w)
     assert torch.equal(q.view(64, 6, 32).long(), codes)
     assert ((reference_weight("q4", w) - w).abs().view(64, 6, 32) <= 0.08 * d).all()
+    # blockspec's own kernel keeps the file's blocks as they are: codes, d and m, so its weights are the file's
+    q, d16, m16 = cpu_quant.q4_1_quantize(w)
+    assert torch.equal(q.view(64, 6, 32).long(), codes)
+    assert torch.equal(d16.float(), d[..., 0]) and torch.equal(m16.float(), m[..., 0])
+    assert torch.equal(reference_weight("q4", w, native=True), w)
+
+
+def test_q8_keeps_the_blocks_of_a_q8_0_gguf():
+    """A Q8_0 tensor (the bundled model's token embedding and tied head: per block of 32 an fp16 d, codes -127..127
+    with the block's largest |w| at 127) comes back on its own codes and d: the native head computes the file's."""
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(40, 4, 1, generator=g) * 0.01 + 1e-3).half().float()
+    codes = torch.randint(-127, 128, (40, 4, 32), generator=g)
+    codes[..., 5] = 127 * torch.where(torch.rand(40, 4, generator=g) < 0.5, -1, 1)
+    w = (codes * d).view(40, 128)
+    q, d16 = cpu_quant.q8_0_quantize(w)
+    assert torch.equal(q.view(40, 4, 32).long(), codes) and torch.equal(d16.float(), d[..., 0])
+    assert torch.equal(reference_weight("q8", w, native=True), w)
 
 
 @pytest.mark.parametrize("mode,cls", KERNELS)
@@ -142,7 +164,9 @@ class ReferenceLinear(nn.Module):
 
     def __init__(self, lin: nn.Linear, quantized: QuantLinear) -> None:
         super().__init__()
-        self.weight, self.bias, self.cls = reference_weight(quantized.mode, lin.weight), lin.bias, type(quantized)
+        native = isinstance(quantized, NATIVE)
+        self.weight = reference_weight(quantized.mode, lin.weight, native)
+        self.bias, self.cls = lin.bias, type(quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernel_reference(self.cls, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)

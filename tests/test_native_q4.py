@@ -16,8 +16,7 @@ PATHS = [p for p in (0, 1, 2) if p <= q4.best_path()]
 
 def weights(N: int, K: int, seed: int) -> tuple[torch.Tensor, q4.Q4Weights]:
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
-    codes, scale, zero = cpu_quant.int4_quantize(w)
-    return w, q4.Q4Weights(codes, scale, zero)
+    return w, q4.Q4Weights(*cpu_quant.q4_1_quantize(w))
 
 
 def same_bits_everywhere(W: q4.Q4Weights | q4.Q8Weights, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +46,7 @@ def test_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
 def test_within_the_rounding_of_the_int8_activations():
     w, W = weights(48, 160, 7)
     x = torch.randn(9, 160, generator=torch.Generator().manual_seed(2)).double()
-    w_deq = cpu_quant.reference_weight("q4", w).double()
+    w_deq = cpu_quant.reference_weight("q4", w, native=True).double()
     got = W.matmul(x.float()).double()
     want = x @ w_deq.T
     # each activation is off by at most half its block's step (max |x| / 127 / 2): the bound below, plus fp32 rounding
@@ -66,19 +65,19 @@ def test_quantize_picks_the_native_kernel_for_q4_and_falls_back(monkeypatch):
 
 def q8_weights(N: int, K: int, seed: int) -> tuple[torch.Tensor, q4.Q8Weights]:
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
-    w[0, :32] = -w[0, :32].abs().max()  # a code of -128 somewhere: |w| = 128 must not saturate the AVX2 sums
-    return w, q4.Q8Weights(*cpu_quant.int8_quantize(w))
+    w[0, :32] = -w[0, :32].abs().max()  # a block of -127 codes: |w| x x at its largest in the AVX2 sums
+    return w, q4.Q8Weights(*cpu_quant.q8_0_quantize(w))
 
 
 @pytest.mark.parametrize("N,K", [(8, 32), (24, 96), (64, 576)])
 def test_q8_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
     w, W = q8_weights(N, K, N * K)
-    assert int(cpu_quant.int8_quantize(w)[0].min()) in (-128, -127)
+    assert int(cpu_quant.q8_0_quantize(w)[0].min()) == -127
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(3)) * 3
     x[2] = 0
     out = same_bits_everywhere(W, x)
     assert torch.all(out[2] == 0)
-    w_deq = cpu_quant.reference_weight("q8", w).double()
+    w_deq = cpu_quant.reference_weight("q8", w, native=True).double()
     x8 = x.view(17, K // 32, 32)
     amax = x8.abs().amax(-1, keepdim=True)
     xq = (torch.round(x8 * torch.where(amax > 0, 127 / amax, 0)) * amax / 127).view(17, K).double()

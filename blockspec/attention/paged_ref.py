@@ -176,13 +176,34 @@ class PagedDraftAttention:
 
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
         self.pool, self.batch = pool, batch
-        self.qs, kv_lens = batch.host_lists()
-        self.contexts = context_rows(batch, kv_lens, pool.block_size)
-        self.k_pos = []
-        for i, n in enumerate(kv_lens):
-            q_pos = batch.positions[self.qs[i]:self.qs[i + 1]]
-            self.k_pos.append(torch.cat([torch.arange(n, device=q_pos.device), q_pos]))
         self._masks: dict[tuple[bool, int | None], list[torch.Tensor]] = {}
+
+    # Built on first use: a native drafter (blockspec/native/draft.py) runs the attention itself and never needs them
+    @functools.cached_property
+    def _host(self) -> tuple[list[int], list[int]]:
+        return self.batch.host_lists()
+
+    @property
+    def qs(self) -> list[int]:
+        return self._host[0]
+
+    @functools.cached_property
+    def contexts(self) -> list[slice | torch.Tensor]:
+        return context_rows(self.batch, self._host[1], self.pool.block_size)
+
+    @functools.cached_property
+    def k_pos(self) -> list[torch.Tensor]:
+        out = []
+        for i, n in enumerate(self._host[1]):
+            q_pos = self.batch.positions[self.qs[i]:self.qs[i + 1]]
+            out.append(torch.cat([torch.arange(n, device=q_pos.device), q_pos]))
+        return out
+
+    @property
+    def native_paged(self) -> tuple[KVPool, PagedBatch] | None:
+        """What a native drafter needs to run this attention itself: an fp32 draft pool on the CPU."""
+        k = self.pool.draft_k
+        return (self.pool, self.batch) if k.device.type == "cpu" and k.dtype == torch.float32 else None
 
     def _mask(self, causal: bool, window: int | None) -> list[torch.Tensor]:
         key = (causal, window)

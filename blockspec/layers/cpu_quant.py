@@ -100,13 +100,46 @@ def int8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale.float()[:, None]).clamp_(-128, 127).to(torch.int8), scale
 
 
-def reference_weight(mode: str, weight: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [N, K] that `mode`'s kernel computes with for `weight`: the dequantized reference."""
+def q4_1_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes uint8 [N, K] in 0..15, d and m fp16 [N, K / GROUP]): a GGUF Q4_1 block per group of
+    GROUP inputs, w ~ d * code + m with the group's min at code 0 and its max at 15. A Q4_1 file's dequantized
+    weights come back on their own codes, d and m (its groups span the codes 0..15); the native kernel's format."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = ((hi - lo) / 15).half()
+    d = torch.where(d.float() > 0, d, torch.ones_like(d))  # a constant group: every code 0
+    m = lo.half()
+    codes = torch.round((w - m.float()[..., None]) / d.float()[..., None]).clamp_(0, 15)
+    return codes.to(torch.uint8).view(N, K), d, m
+
+
+def q8_0_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes int8 [N, K] in -127..127, d fp16 [N, K / GROUP]): a GGUF Q8_0 block per group of
+    GROUP inputs, w ~ d * code with the group's largest |w| at 127. A Q8_0 file's dequantized tensors come back on
+    their own codes and d; the native kernel's format."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // GROUP, GROUP)
+    d = (w.abs().amax(-1) / 127).half()
+    d = torch.where(d.float() > 0, d, torch.ones_like(d))
+    codes = torch.round(w / d.float()[..., None]).clamp_(-127, 127)
+    return codes.to(torch.int8).view(N, K), d
+
+
+def reference_weight(mode: str, weight: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """The fp32 weight [N, K] that `mode`'s kernel computes with for `weight`: the dequantized reference (native:
+    of blockspec's own kernels, NativeQ4Linear / NativeQ8Linear, else of torch's)."""
+    N, K = weight.shape
+    if native and mode == "q8":
+        codes, d = q8_0_quantize(weight)
+        return (codes.float().view(N, K // GROUP, GROUP) * d.float()[..., None]).view(N, K)
+    if native:
+        codes, d, m = q4_1_quantize(weight)
+        return (codes.float().view(N, K // GROUP, GROUP) * d.float()[..., None] + m.float()[..., None]).view(N, K)
     if mode == "q8":
         codes, scale = int8_quantize(weight)
         return codes.float() * scale.float()[:, None]
     codes, scale, zero = int4_quantize(weight)
-    N, K = weight.shape
     q = codes.float().view(N, K // GROUP, GROUP) - 8
     return (q * scale.float()[..., None] + zero.float()[..., None]).view(N, K)
 
@@ -157,16 +190,15 @@ class Int4Linear(QuantLinear):
 
 
 class NativeQ4Linear(QuantLinear):
-    """q4 on blockspec's own kernel (blockspec/native/q4gemm.c), where it builds: the same int4 codes, scales and
-    zeros as Int4Linear, fp32 activations quantized per row and block of 32 to int8 (llama.cpp's Q8_0) and integer
-    dot products; fp32 out. Rows are computed alone and the same on every path (the kernel's comment)."""
+    """q4 on blockspec's own kernel (blockspec/native/q4gemm.c), where it builds: GGUF Q4_1 blocks (a Q4_1 file's
+    own codes, d and m in fp16), fp32 activations quantized per row and block of 32 to int8 (llama.cpp's Q8_1) and
+    integer dot products; fp32 out. Rows are computed alone and the same on every path (the kernel's comment)."""
 
     mode = "q4"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
         super().__init__(weight, bias, keep_weight)
-        codes, scale, zero = int4_quantize(weight)
-        self.weights = q4.Q4Weights(codes, scale, zero)  # w = scale * (code - 8) + zero, as Int4Linear's
+        self.weights = q4.Q4Weights(*q4_1_quantize(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -177,16 +209,16 @@ class NativeQ4Linear(QuantLinear):
 
 
 class NativeQ8Linear(QuantLinear):
-    """q8 on blockspec's own kernel (blockspec/native/q8gemm.c), where it builds: Int8Linear's codes and row scales,
-    fp32 activations quantized per row and block of 32 to int8, integer dot products; fp32 out. Used for the q4
-    target's head and the drafter's reads of it, where torch's int8 kernel costs nearly a full pass per row."""
+    """q8 on blockspec's own kernel (blockspec/native/q8gemm.c), where it builds: GGUF Q8_0 blocks (a Q8_0 file's
+    own codes and fp16 scales), fp32 activations quantized per row and block of 32 to int8, integer dot products;
+    fp32 out. Used for the q4 target's head and the drafter's reads of it, where torch's int8 kernel costs nearly a
+    full pass per row."""
 
     mode = "q8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
         super().__init__(weight, bias, keep_weight)
-        codes, scale = int8_quantize(weight)
-        self.weights = q4.Q8Weights(codes, scale)
+        self.weights = q4.Q8Weights(*q8_0_quantize(weight))
 
     forward = NativeQ4Linear.forward
 

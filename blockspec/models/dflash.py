@@ -10,7 +10,7 @@ platform (the CPU-packed variants, the drafter's own heads) is picked once at lo
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,14 @@ from blockspec.models.dflash_config import DFlashConfig
 from blockspec.models.dflash_io import DraftHead
 from blockspec.models.decoder import MLP
 from blockspec.models.qkv import KV, ContextKV, LinearQKV, QKVProjection
+
+if TYPE_CHECKING:
+    from blockspec.native.draft import NativeDraft
+
+
+def _native_pool(cache: torch.Tensor) -> bool:
+    """Whether the native drafter can write this draft cache: fp32 on the CPU."""
+    return cache.device.type == "cpu" and cache.dtype == torch.float32
 
 
 class DraftAttentionFn(Protocol):
@@ -95,6 +103,8 @@ class DFlashDraftModel(nn.Module):
         self.input_cast: nn.Module = nn.Identity()
         self.head: DraftHead = DraftHead()  # compute_logits: the target's lm_head
         self.greedy_head: DraftHead = DraftHead()  # greedy_drafts: the target's lm_head
+        # the whole drafter in native calls (blockspec/native/draft.py), set at load under a native q4 target
+        self.native: NativeDraft | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,6 +120,11 @@ class DFlashDraftModel(nn.Module):
         """taps [N, num_taps*H] of committed tokens at `positions` [N] -> per draft layer (k, v) [N, Hkv, D].
         paged(layer) -> (k_cache, v_cache, slot_mapping): where the fused GPU path may write them itself (a
         layer's (k, v) is (None, None) then; the caller stores the others)."""
+        if self.native is not None and paged is not None and _native_pool(paged(0)[0]):
+            cos, sin = self.rotary.cos_sin(positions, torch.float32)
+            dests = [paged(layer) for layer in range(len(self.layers))]
+            self.native.context(taps, cos, sin, [k for k, _, _ in dests], [v for _, v, _ in dests], dests[0][2])
+            return [(None, None)] * len(self.layers)
         ctx = self.hidden_norm(self.fc(self.input_cast(taps)))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         attns = [layer.self_attn for layer in self.layers]
@@ -122,6 +137,9 @@ class DFlashDraftModel(nn.Module):
         embeds = self.input_cast(embeds)
         h = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        paged = getattr(attn, "native_paged", None) if self.native is not None else None
+        if paged is not None:
+            return self.native.forward(h, cos, sin, *paged)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, attn, rows or h.shape[0])

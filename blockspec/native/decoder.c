@@ -1,6 +1,8 @@
 /* A quantized decoder stack's forward on the CPU in one call (blockspec/native/decoder.py drives it): per layer
-add + RMSNorm + int8 quantize, q|k|v (Q4 x Q8, q4gemm.c), optional q/k head norms, rotary, the new k/v stored in the
-paged pool, attention of every row over its sequence's keys, o, add + RMSNorm, gate|up, SiLU * up, down.
+add + RMSNorm + int8 quantize, q|k|v (Q4 or Q8 x Q8, q4gemm.c / q8gemm.c), optional q/k head norms, rotary, the new
+k/v stored in the paged pool, attention of every row over its sequence's keys, o, add + RMSNorm, gate|up, SiLU * up,
+down. The same stack runs a DFlash drafter's block (draft.py): each row over its sequence's cached draft context and
+every row of its own block, whose k/v are kept for this call only.
 
 Why one call: a SmolLM2-135M decode step on 2 cores spends more time in ~60 small eager torch ops per layer (~10 us
 each) than in its weights; here the whole stack is one OpenMP parallel region. Threads split the matmuls' output
@@ -14,38 +16,9 @@ split over threads, never a sum): a verify step's rows equal plain decoding's, s
 plain decoding of the same model. Built with -ffp-contract=off so the compiler never fuses a multiply-add in one place
 and not another; the SIMD sums keep 8 fixed lanes. */
 
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#define QK 32
-#define LANES 8
-
-void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs, int32_t *qs);
-void q4_gemm_groups(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
-                    const float *sx, const float *xs, const int32_t *qs, int M, float *y, int g0, int g1, int path);
-
-typedef struct {
-    const uint8_t *packed; /* codes in q4gemm.c's chunked layout */
-    const uint16_t *d, *m; /* bf16 [N / 8, K / 32, 8] */
-    const float *bias;     /* [N] or NULL */
-    int N, K;
-} q4_weight;
-
-typedef struct {
-    const float *input_norm, *post_norm; /* [H] */
-    const float *q_norm, *k_norm;        /* [D] or NULL (Qwen3's per-head norms) */
-    q4_weight qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* this layer's [slots, Hkv, D] */
-} layer_weights;
-
-typedef struct {
-    int hidden, heads, kv_heads, head_dim, intermediate, layers;
-    float eps, scale;
-    int threads, path;
-} decoder_dims;
+#include "native.h"
 
 typedef struct {
     int T;                       /* rows */
@@ -58,14 +31,8 @@ typedef struct {
     int max_blocks, block_size;
     const int32_t *tap_layers; /* [n_taps]: the stream after these layers (the last: the final-normed output) */
     int n_taps;
+    const int32_t *query_start; /* [B + 1]: a draft block's rows (NULL: target rows, causal over the pool) */
 } decoder_batch;
-
-/* int8 activations of a [T, K] matrix: codes, per block scale sx, xs = sx * sum, integer sums */
-typedef struct {
-    int8_t *q;
-    float *sx, *xs;
-    int32_t *qs;
-} q8_rows;
 
 /* what each thread keeps to itself: its copy of the residual stream and of the row-wise work */
 typedef struct {
@@ -73,69 +40,32 @@ typedef struct {
     q8_rows in;
 } private_buffers;
 
-/* matmul outputs and the attention's quantized output, written by all threads */
+/* matmul outputs, the attention's quantized output and a draft block's own k / v, written by all threads */
 typedef struct {
-    float *qkv, *o, *gate_up, *down;
+    float *qkv, *o, *gate_up, *down, *block_k, *block_v;
     q8_rows att;
 } shared_buffers;
 
-static float sum_lanes(const float *acc) {
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+/* key j of sequence s (layer cache or, past its n_ctx context keys, the draft block's own rows) */
+static inline const float *key_row(const decoder_dims *dm, const decoder_batch *bt, const float *cache,
+                                   const float *block, int s, int64_t n_ctx, int64_t j, int kvh) {
+    size_t D = dm->head_dim;
+    if (j >= n_ctx) return block + ((size_t)(bt->query_start[s] + (j - n_ctx)) * dm->kv_heads + kvh) * D;
+    int64_t bs = bt->block_size, slot = bt->block_tables[(size_t)s * bt->max_blocks + j / bs] * bs + j % bs;
+    return cache + ((size_t)slot * dm->kv_heads + kvh) * D;
 }
 
-static float dot(const float *a, const float *b, int n) { /* n a multiple of LANES */
-    float acc[LANES] = {0};
-    for (int i = 0; i < n; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
-    return sum_lanes(acc);
-}
-
-/* out = x * rsqrt(mean(x^2) + eps) * w */
-static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
-    float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
-}
-
-/* rotate-half rotary of one head in place: x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] */
-static void rotary(float *x, const float *cos, const float *sin, int D) {
-    int h = D / 2;
-    for (int i = 0; i < h; i++) {
-        float a = x[i], b = x[i + h];
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + h] = b * cos[i + h] + a * sin[i + h];
-    }
-}
-
-/* e^x (softmax after the max is taken, SiLU): 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], a degree-6 polynomial
-(relative error ~2e-7). Written so the compiler vectorizes it: libm's expf is a call per element. */
-static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float t = x * 1.44269504088896341f;
-    float n = floorf(t + 0.5f), f = t - n;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-/* one row and one query head (q rotated) over its sequence's keys at positions 0..min(pos, kv_len - 1) */
-static void attend(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const float *q, int t,
-                   int head, float *out, float *scores) {
-    int D = dm->head_dim, kvh = head / (dm->heads / dm->kv_heads), s = bt->row_seq[t], bs = bt->block_size;
-    int64_t n = bt->positions[t] + 1;
-    if (n > bt->kv_lens[s]) n = bt->kv_lens[s];
-    const int64_t *table = bt->block_tables + (size_t)s * bt->max_blocks;
+/* one row and one query head (q rotated) over its keys: a target row over its sequence's keys at positions
+0..min(pos, kv_len - 1); a draft row over its sequence's kv_len context keys and every row of its block */
+static void attend(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const shared_buffers *sh,
+                   const float *q, int t, int head, float *out, float *scores) {
+    int D = dm->head_dim, kvh = head / (dm->heads / dm->kv_heads), s = bt->row_seq[t];
+    int64_t n_ctx = bt->positions[t] + 1, n;
+    if (n_ctx > bt->kv_lens[s] || bt->query_start) n_ctx = bt->kv_lens[s];
+    n = bt->query_start ? n_ctx + bt->query_start[s + 1] - bt->query_start[s] : n_ctx;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        int64_t slot = table[j / bs] * bs + j % bs;
-        scores[j] = dot(q, lw->k_cache + ((size_t)slot * dm->kv_heads + kvh) * D, D) * dm->scale;
+        scores[j] = dot(q, key_row(dm, bt, lw->k_cache, sh->block_k, s, n_ctx, j, kvh), D) * dm->scale;
         mx = scores[j] > mx ? scores[j] : mx;
     }
     float acc[LANES] = {0};
@@ -144,30 +74,10 @@ static void attend(const decoder_dims *dm, const decoder_batch *bt, const layer_
     float inv = 1.0f / sum_lanes(acc);
     for (int i = 0; i < D; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        int64_t slot = table[j / bs] * bs + j % bs;
-        const float *v = lw->v_cache + ((size_t)slot * dm->kv_heads + kvh) * D;
+        const float *v = key_row(dm, bt, lw->v_cache, sh->block_v, s, n_ctx, j, kvh);
         float p = scores[j] * inv;
         for (int i = 0; i < D; i++) out[i] += p * v[i];
     }
-}
-
-static void share(int n, int tid, int nth, int *a, int *b) { /* contiguous split of 0..n-1 */
-    *a = (int)((int64_t)n * tid / nth);
-    *b = (int)((int64_t)n * (tid + 1) / nth);
-}
-
-/* this thread's output groups of y [T, N] = x @ W.T (+ bias), x given as int8 rows */
-static void matmul(const decoder_dims *dm, const q4_weight *w, const q8_rows *x, int T, float *y, int tid, int nth) {
-    int g0, g1;
-    share(w->N / 8, tid, nth, &g0, &g1);
-    q4_gemm_groups(w->packed, w->d, w->m, w->N, w->K, x->q, x->sx, x->xs, x->qs, T, y, g0, g1, dm->path);
-    if (w->bias)
-        for (int t = 0; t < T; t++)
-            for (int n = g0 * 8; n < g1 * 8; n++) y[(size_t)t * w->N + n] += w->bias[n];
-}
-
-static void quantize(const float *x, int rows, int K, const q8_rows *out) {
-    q8_quantize_blocks(x, rows * (K / QK), out->q, out->sx, out->xs, out->qs);
 }
 
 static int tap_index(const decoder_batch *bt, int layer) {
@@ -176,22 +86,25 @@ static int tap_index(const decoder_batch *bt, int layer) {
     return -1;
 }
 
-/* rows a..b-1: the k heads normed and rotated, k and v stored in the pool */
-static void store_kv(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const float *qkv,
-                     int a, int b, float *k) {
+/* rows a..b-1: the k heads normed and rotated; k and v stored in the pool at the rows' slots, or a draft block's
+kept in block_k / block_v for this call */
+static void store_kv(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw,
+                     const shared_buffers *sh, int a, int b, float *k) {
     int D = dm->head_dim, QKV = lw->qkv.N;
     size_t kv = (size_t)dm->kv_heads * D;
     for (int t = a; t < b; t++) {
-        const float *row = qkv + (size_t)t * QKV;
+        const float *row = sh->qkv + (size_t)t * QKV;
         int64_t slot = bt->slot_mapping[t];
-        if (slot < 0) continue;
+        if (slot < 0 && !bt->query_start) continue;
         memcpy(k, row + (size_t)dm->heads * D, kv * sizeof(float));
         for (int h = 0; h < dm->kv_heads; h++) {
             if (lw->k_norm) rms_norm(k + (size_t)h * D, lw->k_norm, D, dm->eps, k + (size_t)h * D);
             rotary(k + (size_t)h * D, bt->cos + (size_t)t * D, bt->sin + (size_t)t * D, D);
         }
-        memcpy(lw->k_cache + (size_t)slot * kv, k, kv * sizeof(float));
-        memcpy(lw->v_cache + (size_t)slot * kv, row + (size_t)dm->heads * D + kv, kv * sizeof(float));
+        float *kd = bt->query_start ? sh->block_k + t * kv : lw->k_cache + (size_t)slot * kv;
+        float *vd = bt->query_start ? sh->block_v + t * kv : lw->v_cache + (size_t)slot * kv;
+        memcpy(kd, k, kv * sizeof(float));
+        memcpy(vd, row + (size_t)dm->heads * D + kv, kv * sizeof(float));
     }
 }
 
@@ -203,7 +116,7 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
     matmul(dm, &lw->qkv, &pv->in, T, sh->qkv, tid, nth);
 #pragma omp barrier
     share(T, tid, nth, &a, &b);
-    store_kv(dm, bt, lw, sh->qkv, a, b, pv->q);
+    store_kv(dm, bt, lw, sh, a, b, pv->q);
 #pragma omp barrier
     share(T * dm->heads, tid, nth, &a, &b);
     for (int p = a; p < b; p++) { /* rows of a sequence see each other's keys: all were stored above */
@@ -211,9 +124,9 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
         memcpy(pv->q, sh->qkv + (size_t)t * QKV + (size_t)hq * D, D * sizeof(float));
         if (lw->q_norm) rms_norm(pv->q, lw->q_norm, D, dm->eps, pv->q);
         rotary(pv->q, bt->cos + (size_t)t * D, bt->sin + (size_t)t * D, D);
-        attend(dm, bt, lw, pv->q, t, hq, pv->x, pv->scores);
+        attend(dm, bt, lw, sh, pv->q, t, hq, pv->x, pv->scores);
         size_t blk = (size_t)p * (D / QK); /* a head is whole blocks of 32 (NativeDecoder.runs checks D) */
-        q8_quantize_blocks(pv->x, D / QK, sh->att.q + blk * QK, sh->att.sx + blk, sh->att.xs + blk, sh->att.qs + blk);
+        q8_quantize_blocks(pv->x, D / QK, sh->att.q + blk * QK, sh->att.sx + blk, sh->att.xs + blk);
     }
 #pragma omp barrier
     matmul(dm, &lw->o, &sh->att, T, sh->o, tid, nth);
@@ -233,16 +146,6 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
 #pragma omp barrier
     for (size_t i = 0; i < (size_t)T * H; i++) pv->h[i] += sh->down[i];
 }
-
-static void *alloc_q8(q8_rows *r, size_t rows, size_t K) {
-    r->q = malloc(rows * K);
-    r->sx = malloc(sizeof(float) * rows * (K / QK));
-    r->xs = malloc(sizeof(float) * rows * (K / QK));
-    r->qs = malloc(sizeof(int32_t) * rows * (K / QK));
-    return r->q && r->sx && r->xs && r->qs ? r : NULL;
-}
-
-static void free_q8(q8_rows *r) { free(r->q), free(r->sx), free(r->xs), free(r->qs); }
 
 /* one thread's whole forward over the replicated stream (`h`: the embeddings in); thread 0 writes the results */
 static void run(const decoder_dims *dm, const layer_weights *lws, const float *final_norm, const decoder_batch *bt,
@@ -268,12 +171,14 @@ scratch memory cannot be had. */
 int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const float *final_norm, const decoder_batch *bt,
                     float *h, float *taps) {
     size_t T = bt->T, H = dm->hidden, I = dm->intermediate, D = dm->head_dim, AT = dm->heads * D;
+    size_t KV = (size_t)dm->kv_heads * D;
     int nth = dm->threads > 0 ? dm->threads : 1;
-    int64_t longest = 1;
+    int64_t longest = 1; /* keys of the longest row: a draft row's are its context and its block */
     for (size_t t = 0; t < T; t++) longest = bt->positions[t] + 1 > longest ? bt->positions[t] + 1 : longest;
-    shared_buffers sh = {malloc(sizeof(float) * T * (AT + 2 * dm->kv_heads * D)), malloc(sizeof(float) * T * H),
-                         malloc(sizeof(float) * T * 2 * I), malloc(sizeof(float) * T * H), {0}};
-    int ok = sh.qkv && sh.o && sh.gate_up && sh.down && alloc_q8(&sh.att, T, AT);
+    shared_buffers sh = {malloc(sizeof(float) * T * (AT + 2 * KV)), malloc(sizeof(float) * T * H),
+                         malloc(sizeof(float) * T * 2 * I), malloc(sizeof(float) * T * H),
+                         malloc(sizeof(float) * T * KV), malloc(sizeof(float) * T * KV), {0}};
+    int ok = sh.qkv && sh.o && sh.gate_up && sh.down && sh.block_k && sh.block_v && alloc_q8(&sh.att, T, AT);
     private_buffers *pv = calloc(nth, sizeof(private_buffers));
     ok = ok && pv;
     for (int i = 0; ok && i < nth; i++) {
@@ -282,7 +187,7 @@ int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const floa
         pv[i].x = malloc(sizeof(float) * T * (H > D ? H : D));
         pv[i].act = malloc(sizeof(float) * T * I);
         pv[i].scores = malloc(sizeof(float) * longest);
-        pv[i].q = malloc(sizeof(float) * (dm->kv_heads > 1 ? dm->kv_heads : 1) * D + sizeof(float) * D);
+        pv[i].q = malloc(sizeof(float) * (KV > D ? KV : D));
         ok = pv[i].h && pv[i].x && pv[i].act && pv[i].scores && pv[i].q && alloc_q8(&pv[i].in, T, widest);
         if (ok) memcpy(pv[i].h, h, sizeof(float) * T * H);
     }
@@ -297,6 +202,7 @@ int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const floa
     for (int i = 0; pv && i < nth; i++) {
         free(pv[i].h), free(pv[i].x), free(pv[i].act), free(pv[i].scores), free(pv[i].q), free_q8(&pv[i].in);
     }
-    free(pv), free(sh.qkv), free(sh.o), free(sh.gate_up), free(sh.down), free_q8(&sh.att);
+    free(pv), free(sh.qkv), free(sh.o), free(sh.gate_up), free(sh.down), free(sh.block_k), free(sh.block_v);
+    free_q8(&sh.att);
     return ok ? 0 : -1;
 }

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 class _Weight(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("N", ctypes.c_int), ("K", ctypes.c_int)]
+                ("bias", ctypes.c_void_p), ("N", ctypes.c_int), ("K", ctypes.c_int), ("bits", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -43,7 +43,8 @@ class _Batch(ctypes.Structure):
     _fields_ = [("T", ctypes.c_int), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p), ("row_seq", ctypes.c_void_p),
                 ("kv_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int),
-                ("block_size", ctypes.c_int), ("tap_layers", ctypes.c_void_p), ("n_taps", ctypes.c_int)]
+                ("block_size", ctypes.c_int), ("tap_layers", ctypes.c_void_p), ("n_taps", ctypes.c_int),
+                ("query_start", ctypes.c_void_p)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -51,8 +52,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _weight(linear: nn.Module) -> _Weight:
+    """A NativeQ4Linear's or NativeQ8Linear's weight as decoder.c reads it."""
     w = linear.weights
-    return _Weight(_ptr(w.packed), _ptr(w.d), _ptr(w.m), _ptr(linear.bias), w.N, w.K)
+    m = getattr(w, "m", None)  # Q8_0 has none
+    return _Weight(_ptr(w.packed), _ptr(w.d), _ptr(m), _ptr(linear.bias), w.N, w.K, 4 if m is not None else 8)
 
 
 class NativeDecoder:

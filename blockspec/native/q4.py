@@ -1,5 +1,5 @@
-"""The native Q4 x Q8 and Q8 x Q8 kernels (q4gemm.c, q8gemm.c beside this file) and the decoder stack built on them
-(decoder.c, decoder.py):
+"""The native Q4 x Q8 and Q8 x Q8 kernels (q4gemm.c, q8gemm.c beside this file) and the decoder stack and drafter
+built on them (decoder.c / decoder.py, draft.c / draft.py):
 compiled with the machine's C compiler on first use into the user cache (~/.cache/blockspec/native,
 BLOCKSPEC_CACHE_DIR), loaded with ctypes. Written here because torch's
 CPU int4 kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations:
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "decoder.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "decoder.c", "draft.c")]
+HEADERS = [Path(__file__).with_name("native.h")]
 QK = 32  # inputs per block
 
 
@@ -53,7 +54,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("BLOCKSPEC_NATIVE", "1") == "0":
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + _cpu_flags()).hexdigest()[:16]
     lib = cache_dir() / f"blockspec-native-{digest}.so"
     if not lib.is_file():
         if cc is None:
@@ -65,12 +66,13 @@ def library() -> ctypes.CDLL | None:
     dll = ctypes.CDLL(str(lib))
     dll.q4_best_path.restype = ctypes.c_int
     dll.decoder_forward.restype = ctypes.c_int
+    dll.draft_context.restype = ctypes.c_int
     return dll
 
 
 @functools.lru_cache(maxsize=None)
 def best_path() -> int:
-    """2: AVX512-VNNI, 1: AVX2, 0: scalar (all three give the same bits)."""
+    """2: AVX512-VNNI, 1: AVX2 (with FMA and F16C), 0: scalar (all three give the same bits)."""
     lib = library()
     return lib.q4_best_path() if lib is not None else -1
 
@@ -80,18 +82,16 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 class Q4Weights:
-    """A weight [N, K] as the kernel reads it, from int4 codes [N, K] (0..15) and per-block scale, zero [N, K / 32]
-    (bf16) with w = scale * (code - 8) + zero. N a multiple of 8, K of 32."""
+    """A weight [N, K] as the kernel reads it, from GGUF Q4_1 blocks: codes [N, K] (0..15) and per-block d, m
+    [N, K / 32] (fp16), w = d * code + m. N a multiple of 8, K of 32."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         N, K = codes.shape
         self.N, self.K, self.KB = N, K, K // QK
         codes = codes.to(torch.uint8).contiguous()
         self.packed = torch.empty(N * K // 2, dtype=torch.uint8)
         library().q4_pack(_ptr(codes), N, K, _ptr(self.packed))
-        # [N / 8, KB, 8]: a block's 8 outputs of a group load as one vector
-        self.d, self.m = (v.to(torch.bfloat16).view(N // 8, 8, self.KB).transpose(1, 2).contiguous()
-                          for v in (scale, zero))
+        self.d, self.m = (_by_group(v, N, self.KB) for v in (d, m))
 
     def nbytes(self) -> int:
         return self.packed.numel() + 2 * self.d.numel() + 2 * self.m.numel()
@@ -99,39 +99,44 @@ class Q4Weights:
     def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
         M = x.shape[0]
-        qx, sx, xs, qs = quantize_rows(x, self.KB)
+        qx, sx, xs = quantize_rows(x, self.KB)
         y = torch.empty(M, self.N)
         library().q4_gemm(_ptr(self.packed), _ptr(self.d), _ptr(self.m), self.N, self.K, _ptr(qx), _ptr(sx), _ptr(xs),
-                          _ptr(qs), M, _ptr(y), torch.get_num_threads(), best_path() if path is None else path)
+                          M, _ptr(y), torch.get_num_threads(), best_path() if path is None else path)
         return y
 
 
+def _by_group(v: torch.Tensor, N: int, KB: int) -> torch.Tensor:
+    """per-block fp16 values [N, KB] -> [N / 8, KB, 8]: a block's 8 outputs of a group load as one vector."""
+    return v.to(torch.float16).view(N // 8, 8, KB).transpose(1, 2).contiguous()
+
+
 def quantize_rows(x: torch.Tensor, KB: int) -> tuple[torch.Tensor, ...]:
-    """x [M, K] fp32 -> (codes int8 [M, K], sx, xs [M, KB], qs int32 [M, KB]): q4gemm.c's int8 activations."""
+    """x [M, K] fp32 -> (codes int8 [M, K], sx, xs [M, KB]): q4gemm.c's int8 activations."""
     M, K = x.shape
     x = x.contiguous()
     qx = torch.empty(M, K, dtype=torch.int8)
-    sx, xs, qs = torch.empty(M, KB), torch.empty(M, KB), torch.empty(M, KB, dtype=torch.int32)
-    library().q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs), _ptr(qs))
-    return qx, sx, xs, qs
+    sx, xs = torch.empty(M, KB), torch.empty(M, KB)
+    library().q8_quantize_rows(_ptr(x), M, K, _ptr(qx), _ptr(sx), _ptr(xs))
+    return qx, sx, xs
 
 
 class Q8Weights:
-    """A weight [N, K] of int8 codes with one scale per output row (w = code * scale), as q8gemm.c reads it. N a
-    multiple of 8, K of 32."""
+    """A weight [N, K] as q8gemm.c reads it, from GGUF Q8_0 blocks: int8 codes [N, K] and per-block d [N, K / 32]
+    (fp16), w = d * code. N a multiple of 8, K of 32."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         N, K = codes.shape
         self.N, self.K, self.KB = N, K, K // QK
         self.packed = torch.empty(N * K, dtype=torch.int8)
         library().q8w_pack(_ptr(codes.to(torch.int8).contiguous()), N, K, _ptr(self.packed))
-        self.scale = scale.float().contiguous()
+        self.d = _by_group(d, N, self.KB)
 
     def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
         M = x.shape[0]
-        qx, sx, _, _ = quantize_rows(x, self.KB)
+        qx, sx, _ = quantize_rows(x, self.KB)
         y = torch.empty(M, self.N)
-        library().q8_gemm(_ptr(self.packed), _ptr(self.scale), self.N, self.K, _ptr(qx), _ptr(sx), M, _ptr(y),
+        library().q8_gemm(_ptr(self.packed), _ptr(self.d), self.N, self.K, _ptr(qx), _ptr(sx), M, _ptr(y),
                           torch.get_num_threads(), best_path() if path is None else path)
         return y

@@ -1,11 +1,10 @@
 /* Q4 weights x Q8 activations on the CPU, for decode and verify steps (blockspec/native/q4.py builds and loads it).
 
-Weights: blocks of 32 inputs, w = d * (code - 8) + m (code 0..15; d, m bf16 per output and block: 20 bytes a
-block, as a GGUF Q4_1 block). Activations: per row and block of 32, int8 codes with one fp32 scale sx (llama.cpp's
-Q8_0), the codes' integer sum and xs = sx * sum. One output = sum over blocks, in order, of (d * sx) *
-(<codes_w, codes_x> - 8 * sum), plus the same for m * xs; the integer part of a block is exact, every float step is
-one fused multiply-add. bf16 rather than fp32 d, m: the weights stream from memory every step, and fp32 scales cost
-a fifth more bytes than the codes' 16 per block.
+Weights: a GGUF Q4_1 block as it is, per output and block of 32 inputs: w = d * code + m (code 0..15, d and m fp16:
+20 bytes a block), so a Q4_1 file's weights are computed with their own values. Activations: per row and block of
+32, int8 codes with one fp32 scale sx and xs = sx * (the codes' sum) (llama.cpp's Q8_1). One output = sum over
+blocks, in order, of (d * sx) * <codes_w, codes_x>, plus the same for m * xs; the integer dot of a block is exact
+and every float step is one multiply or fused multiply-add.
 
 Layout for the SIMD paths: outputs in groups of 8 (a vector's lanes), and per (group, block) four 32-byte chunks:
 chunk c holds, for each of the 8 outputs, 4 bytes whose low nibbles are the codes of inputs 4c..4c+3 and whose high
@@ -25,15 +24,21 @@ unpacked once and used for up to MR rows. */
 #define QK 32
 #define NG 8 /* outputs per group: the lanes of one 256-bit vector */
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
+/* IEEE half -> float, exact (what F16C's vcvtph2ps computes), for the scalar path */
+float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24); /* zero or subnormal */
+        return sign ? -f : f;
+    }
+    bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | (man << 13);
     float f;
-    memcpy(&f, &u, 4);
+    memcpy(&f, &bits, 4);
     return f;
 }
 
-/* n blocks of 32 from x -> their int8 codes qx, scales sx, xs = sx * sum and the codes' sums qs */
-void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs, int32_t *qs) {
+/* n blocks of 32 from x -> their int8 codes qx, scales sx and xs = sx * (the codes' sum) */
+void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs) {
     for (int b = 0; b < n; b++) {
         const float *v = x + b * QK;
         int8_t *q = qx + b * QK;
@@ -49,13 +54,12 @@ void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs,
         }
         sx[b] = d;
         xs[b] = d * (float)sum;
-        qs[b] = sum;
     }
 }
 
-/* x [M, K] fp32 -> qx [M, K] int8; sx, xs, qs [M, K / 32] */
-void q8_quantize_rows(const float *x, int M, int K, int8_t *qx, float *sx, float *xs, int32_t *qs) {
-    q8_quantize_blocks(x, M * (K / QK), qx, sx, xs, qs);
+/* x [M, K] fp32 -> qx [M, K] int8; sx, xs [M, K / 32] */
+void q8_quantize_rows(const float *x, int M, int K, int8_t *qx, float *sx, float *xs) {
+    q8_quantize_blocks(x, M * (K / QK), qx, sx, xs);
 }
 
 /* codes [N, K] (one byte each, 0..15) -> the chunked layout above; N a multiple of NG */
@@ -72,7 +76,7 @@ void q4_pack(const uint8_t *codes, int N, int K, uint8_t *packed) {
 }
 
 static void group_scalar(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx,
-                         const float *sx, const float *xs, const int32_t *qs, int r, float *y, int N, int g) {
+                         const float *sx, const float *xs, int r, float *y, int N, int g) {
     int KB = K / QK;
     for (int o = 0; o < NG; o++) {
         float acc = 0.0f, mt = 0.0f;
@@ -86,20 +90,20 @@ static void group_scalar(const uint8_t *packed, const uint16_t *d, const uint16_
                     s += (byte & 15) * q[4 * c + j] + (byte >> 4) * q[4 * c + 16 + j];
                 }
             size_t at = ((size_t)g * KB + b) * NG + o;
-            s -= 8 * qs[(size_t)r * KB + b];
-            acc = fmaf((float)s, bf16_to_f32(d[at]) * sx[(size_t)r * KB + b], acc);
+            acc = fmaf((float)s, fp16_to_f32(d[at]) * sx[(size_t)r * KB + b], acc);
         }
         for (int b = 0; b < KB; b++)
-            mt = fmaf(bf16_to_f32(m[((size_t)g * KB + b) * NG + o]), xs[(size_t)r * KB + b], mt);
+            mt = fmaf(fp16_to_f32(m[((size_t)g * KB + b) * NG + o]), xs[(size_t)r * KB + b], mt);
         y[(size_t)r * N + g * NG + o] = acc + mt;
     }
 }
 
-/* one output group for rows r0..r0+MR-1 */
-#define GROUP_SIMD(NAME, TARGET, DOT, MR)                                                                            \
+/* one output group for rows r0..r0+MR-1; DOT4(w[4], q, off): the block's integer sums of the 4 chunks w against
+activation bytes q[off..off+15] */
+#define GROUP_SIMD(NAME, TARGET, DOT4, MR)                                                                           \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *packed, const uint16_t *d, const uint16_t *m,     \
                                                      int K, const int8_t *qx, const float *sx, const float *xs,      \
-                                                     const int32_t *qs, int r0, float *y, int N, int g) {            \
+                                                     int r0, float *y, int N, int g) {                               \
         int KB = K / QK;                                                                                              \
         const __m256i low = _mm256_set1_epi8(15);                                                                     \
         __m256 acc[MR];                                                                                               \
@@ -112,16 +116,10 @@ static void group_scalar(const uint8_t *packed, const uint16_t *d, const uint16_
                 wl[c] = _mm256_and_si256(p, low);                                                                     \
                 wh[c] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);                                               \
             }                                                                                                         \
-            __m256 dv = LOAD_BF16(d + ((size_t)g * KB + b) * NG);                                                     \
+            __m256 dv = LOAD_F16(d + ((size_t)g * KB + b) * NG);                                                      \
             for (int r = 0; r < MR; r++) {                                                                            \
                 const int8_t *q = qx + (size_t)(r0 + r) * K + b * QK;                                                 \
-                __m256i s0 = DOT(wl[0], q, 0), s1 = DOT(wl[1], q, 4), s2 = DOT(wl[2], q, 8), s3 = DOT(wl[3], q, 12); \
-                s0 = _mm256_add_epi32(s0, DOT(wh[0], q, 16));                                                         \
-                s1 = _mm256_add_epi32(s1, DOT(wh[1], q, 20));                                                         \
-                s2 = _mm256_add_epi32(s2, DOT(wh[2], q, 24));                                                         \
-                s3 = _mm256_add_epi32(s3, DOT(wh[3], q, 28));                                                         \
-                __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                     \
-                s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * qs[(size_t)(r0 + r) * KB + b]));                        \
+                __m256i s = _mm256_add_epi32(DOT4(wl, q, 0), DOT4(wh, q, 16));                                        \
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[(size_t)(r0 + r) * KB + b]));                      \
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);                                       \
             }                                                                                                         \
@@ -129,64 +127,74 @@ static void group_scalar(const uint8_t *packed, const uint16_t *d, const uint16_
         for (int r = 0; r < MR; r++) {                                                                                \
             __m256 mt = _mm256_setzero_ps();                                                                          \
             for (int b = 0; b < KB; b++)                                                                              \
-                mt = _mm256_fmadd_ps(LOAD_BF16(m + ((size_t)g * KB + b) * NG),                                        \
+                mt = _mm256_fmadd_ps(LOAD_F16(m + ((size_t)g * KB + b) * NG),                                         \
                                      _mm256_set1_ps(xs[(size_t)(r0 + r) * KB + b]), mt);                              \
             _mm256_storeu_ps(y + (size_t)(r0 + r) * N + g * NG, _mm256_add_ps(acc[r], mt));                           \
         }                                                                                                             \
     }
 
-/* 8 bf16 -> 8 fp32 (exact: the bf16 bits are the float's high half) */
-#define LOAD_BF16(p) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-/* 8 lanes of int32: lane o = sum over j of w byte (o, j) x activation byte at q[off + j] */
+/* 8 fp16 -> 8 fp32 (exact) */
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define BCAST(q, off) _mm256_set1_epi32(*(const int32_t *)((q) + (off)))
-#define DOT_AVX2(w, q, off) _mm256_madd_epi16(_mm256_maddubs_epi16((w), BCAST(q, off)), _mm256_set1_epi16(1))
-#define DOT_VNNI(w, q, off) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), BCAST(q, off))
-#define VNNI "avx2,fma,avx512f,avx512vl,avx512vnni"
-GROUP_SIMD(group_avx2_1, "avx2,fma", DOT_AVX2, 1)
-GROUP_SIMD(group_avx2_2, "avx2,fma", DOT_AVX2, 2)
-GROUP_SIMD(group_vnni_1, VNNI, DOT_VNNI, 1)
-GROUP_SIMD(group_vnni_2, VNNI, DOT_VNNI, 2)
-GROUP_SIMD(group_vnni_4, VNNI, DOT_VNNI, 4)
+/* AVX2: unsigned codes x signed bytes in 16-bit pairs (|pair| <= 2 * 15 * 127), four chunks summed in 16 bits
+(<= 15240, no saturation), then widened to 32 */
+#define MADDUBS(w, q, off) _mm256_maddubs_epi16((w), BCAST(q, off))
+#define DOT4_AVX2(w, q, off)                                                                                 \
+    _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(MADDUBS(w[0], q, off), MADDUBS(w[1], q, off + 4)),   \
+                                       _mm256_add_epi16(MADDUBS(w[2], q, off + 8), MADDUBS(w[3], q, off + 12))), \
+                      _mm256_set1_epi16(1))
+/* VNNI: one chain of four accumulating 32-bit multiply-adds */
+#define DOT4_VNNI(w, q, off)                                                                                      \
+    _mm256_dpbusd_epi32(                                                                                          \
+        _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], BCAST(q, off)), \
+                                                w[1], BCAST(q, off + 4)),                                         \
+                            w[2], BCAST(q, off + 8)),                                                             \
+        w[3], BCAST(q, off + 12))
+#define AVX2 "avx2,fma,f16c"
+#define VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+GROUP_SIMD(group_avx2_1, AVX2, DOT4_AVX2, 1)
+GROUP_SIMD(group_avx2_2, AVX2, DOT4_AVX2, 2)
+GROUP_SIMD(group_vnni_1, VNNI, DOT4_VNNI, 1)
+GROUP_SIMD(group_vnni_2, VNNI, DOT4_VNNI, 2)
+GROUP_SIMD(group_vnni_4, VNNI, DOT4_VNNI, 4)
 
 typedef void (*group_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int, const int8_t *, const float *,
-                         const float *, const int32_t *, int, float *, int, int);
+                         const float *, int, float *, int, int);
 
 /* 2: AVX512-VNNI, 1: AVX2, 0: scalar */
 int q4_best_path(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
-        return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-    return 0;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        return 0;
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
 }
 
 /* one output group for every row, rows in tiles of 4 / 2 / 1 (the results do not depend on the tiling) */
 static void group(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx,
-                  const float *sx, const float *xs, const int32_t *qs, int M, float *y, int N, int g, int path) {
+                  const float *sx, const float *xs, int M, float *y, int N, int g, int path) {
     int r0 = 0;
     if (path == 0) {
-        for (; r0 < M; r0++) group_scalar(packed, d, m, K, qx, sx, xs, qs, r0, y, N, g);
+        for (; r0 < M; r0++) group_scalar(packed, d, m, K, qx, sx, xs, r0, y, N, g);
         return;
     }
     /* AVX2 has 16 vector registers: 2 rows at a time at most without spilling */
     group_fn f1 = path == 2 ? group_vnni_1 : group_avx2_1, f2 = path == 2 ? group_vnni_2 : group_avx2_2;
     if (path == 2)
-        for (; r0 + 4 <= M; r0 += 4) group_vnni_4(packed, d, m, K, qx, sx, xs, qs, r0, y, N, g);
-    for (; r0 + 2 <= M; r0 += 2) f2(packed, d, m, K, qx, sx, xs, qs, r0, y, N, g);
-    for (; r0 < M; r0++) f1(packed, d, m, K, qx, sx, xs, qs, r0, y, N, g);
+        for (; r0 + 4 <= M; r0 += 4) group_vnni_4(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+    for (; r0 + 2 <= M; r0 += 2) f2(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+    for (; r0 < M; r0++) f1(packed, d, m, K, qx, sx, xs, r0, y, N, g);
 }
 
 /* output groups g0..g1-1 of y [M, N] for every row: a thread's share of one matmul (decoder.c calls it inside its
 own parallel region) */
 void q4_gemm_groups(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
-                    const float *sx, const float *xs, const int32_t *qs, int M, float *y, int g0, int g1, int path) {
-    for (int g = g0; g < g1; g++) group(packed, d, m, K, qx, sx, xs, qs, M, y, N, g, path);
+                    const float *sx, const float *xs, int M, float *y, int g0, int g1, int path) {
+    for (int g = g0; g < g1; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
 }
 
 /* y [M, N] = the rows of qx against the N weight rows; output groups split over `threads` (OpenMP) */
 void q4_gemm(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
-             const float *sx, const float *xs, const int32_t *qs, int M, float *y, int threads, int path) {
+             const float *sx, const float *xs, int M, float *y, int threads, int path) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int g = 0; g < N / NG; g++) group(packed, d, m, K, qx, sx, xs, qs, M, y, N, g, path);
+    for (int g = 0; g < N / NG; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
 }
