@@ -37,6 +37,7 @@ typedef struct {
 /* what each thread keeps to itself: its copy of the residual stream and of the row-wise work */
 typedef struct {
     float *h, *x, *act, *scores, *q;
+    const float **ks, **vs; /* the current row's key and value addresses */
     q8_rows in;
 } private_buffers;
 
@@ -46,26 +47,36 @@ typedef struct {
     q8_rows att;
 } shared_buffers;
 
-/* key j of sequence s (layer cache or, past its n_ctx context keys, the draft block's own rows) */
-static inline const float *key_row(const decoder_dims *dm, const decoder_batch *bt, const float *cache,
-                                   const float *block, int s, int64_t n_ctx, int64_t j, int kvh) {
-    size_t D = dm->head_dim;
-    if (j >= n_ctx) return block + ((size_t)(bt->query_start[s] + (j - n_ctx)) * dm->kv_heads + kvh) * D;
-    int64_t bs = bt->block_size, slot = bt->block_tables[(size_t)s * bt->max_blocks + j / bs] * bs + j % bs;
-    return cache + ((size_t)slot * dm->kv_heads + kvh) * D;
+/* the addresses of row t's keys for kv head kvh: ks[j], vs[j] (a target row: its sequence's keys at positions
+0..min(pos, kv_len - 1) through the block table; a draft row: its sequence's kv_len context keys, then every row of
+its block); returns their number */
+static int64_t key_rows(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw,
+                        const shared_buffers *sh, int t, int kvh, const float **ks, const float **vs) {
+    int s = bt->row_seq[t];
+    int64_t n = bt->positions[t] + 1, bs = bt->block_size, j = 0;
+    if (n > bt->kv_lens[s] || bt->query_start) n = bt->kv_lens[s];
+    size_t stride = (size_t)dm->kv_heads * dm->head_dim, off = (size_t)kvh * dm->head_dim;
+    const int64_t *table = bt->block_tables + (size_t)s * bt->max_blocks;
+    for (int64_t blk = 0; j < n; blk++) /* one table lookup per block of keys, not a division per key */
+        for (int64_t slot = table[blk] * bs, end = slot + bs; slot < end && j < n; slot++, j++) {
+            ks[j] = lw->k_cache + slot * stride + off;
+            vs[j] = lw->v_cache + slot * stride + off;
+        }
+    if (bt->query_start)
+        for (int r = bt->query_start[s]; r < bt->query_start[s + 1]; r++, j++) {
+            ks[j] = sh->block_k + r * stride + off;
+            vs[j] = sh->block_v + r * stride + off;
+        }
+    return j;
 }
 
-/* one row and one query head (q rotated) over its keys: a target row over its sequence's keys at positions
-0..min(pos, kv_len - 1); a draft row over its sequence's kv_len context keys and every row of its block */
-static void attend(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const shared_buffers *sh,
-                   const float *q, int t, int head, float *out, float *scores) {
-    int D = dm->head_dim, kvh = head / (dm->heads / dm->kv_heads), s = bt->row_seq[t];
-    int64_t n_ctx = bt->positions[t] + 1, n;
-    if (n_ctx > bt->kv_lens[s] || bt->query_start) n_ctx = bt->kv_lens[s];
-    n = bt->query_start ? n_ctx + bt->query_start[s + 1] - bt->query_start[s] : n_ctx;
+/* one row and one query head (q rotated) over its keys (key_rows) */
+static void attend(const decoder_dims *dm, const float *q, int64_t n, const float **ks, const float **vs, float *out,
+                   float *scores) {
+    int D = dm->head_dim;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        scores[j] = dot(q, key_row(dm, bt, lw->k_cache, sh->block_k, s, n_ctx, j, kvh), D) * dm->scale;
+        scores[j] = dot(q, ks[j], D) * dm->scale;
         mx = scores[j] > mx ? scores[j] : mx;
     }
     float acc[LANES] = {0};
@@ -74,9 +85,8 @@ static void attend(const decoder_dims *dm, const decoder_batch *bt, const layer_
     float inv = 1.0f / sum_lanes(acc);
     for (int i = 0; i < D; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        const float *v = key_row(dm, bt, lw->v_cache, sh->block_v, s, n_ctx, j, kvh);
         float p = scores[j] * inv;
-        for (int i = 0; i < D; i++) out[i] += p * v[i];
+        for (int i = 0; i < D; i++) out[i] += p * vs[j][i];
     }
 }
 
@@ -119,12 +129,17 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
     store_kv(dm, bt, lw, sh, a, b, pv->q);
 #pragma omp barrier
     share(T * dm->heads, tid, nth, &a, &b);
+    int key_row = -1, key_head = -1;
+    int64_t n_keys = 0;
     for (int p = a; p < b; p++) { /* rows of a sequence see each other's keys: all were stored above */
         int t = p / dm->heads, hq = p % dm->heads;
         memcpy(pv->q, sh->qkv + (size_t)t * QKV + (size_t)hq * D, D * sizeof(float));
         if (lw->q_norm) rms_norm(pv->q, lw->q_norm, D, dm->eps, pv->q);
         rotary(pv->q, bt->cos + (size_t)t * D, bt->sin + (size_t)t * D, D);
-        attend(dm, bt, lw, sh, pv->q, t, hq, pv->x, pv->scores);
+        int kvh = hq / (dm->heads / dm->kv_heads);
+        if (t != key_row || kvh != key_head) /* a row's heads sharing a kv head share its key list */
+            n_keys = key_rows(dm, bt, lw, sh, t, kvh, pv->ks, pv->vs), key_row = t, key_head = kvh;
+        attend(dm, pv->q, n_keys, pv->ks, pv->vs, pv->x, pv->scores);
         size_t blk = (size_t)p * (D / QK); /* a head is whole blocks of 32 (NativeDecoder.runs checks D) */
         q8_quantize_blocks(pv->x, D / QK, sh->att.q + blk * QK, sh->att.sx + blk, sh->att.xs + blk);
     }
@@ -187,8 +202,10 @@ int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const floa
         pv[i].x = malloc(sizeof(float) * T * (H > D ? H : D));
         pv[i].act = malloc(sizeof(float) * T * I);
         pv[i].scores = malloc(sizeof(float) * longest);
+        pv[i].ks = malloc(sizeof(float *) * longest), pv[i].vs = malloc(sizeof(float *) * longest);
         pv[i].q = malloc(sizeof(float) * (KV > D ? KV : D));
-        ok = pv[i].h && pv[i].x && pv[i].act && pv[i].scores && pv[i].q && alloc_q8(&pv[i].in, T, widest);
+        ok = pv[i].h && pv[i].x && pv[i].act && pv[i].scores && pv[i].ks && pv[i].vs && pv[i].q &&
+             alloc_q8(&pv[i].in, T, widest);
         if (ok) memcpy(pv[i].h, h, sizeof(float) * T * H);
     }
     if (ok) {
@@ -201,6 +218,7 @@ int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const floa
     }
     for (int i = 0; pv && i < nth; i++) {
         free(pv[i].h), free(pv[i].x), free(pv[i].act), free(pv[i].scores), free(pv[i].q), free_q8(&pv[i].in);
+        free(pv[i].ks), free(pv[i].vs);
     }
     free(pv), free(sh.qkv), free(sh.o), free(sh.gate_up), free(sh.down), free(sh.block_k), free(sh.block_v);
     free_q8(&sh.att);

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "decoder.c", "draft.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "amx.c", "decoder.c", "draft.c")]
 HEADERS = [Path(__file__).with_name("native.h")]
 QK = 32  # inputs per block
 
@@ -60,8 +60,10 @@ def library() -> ctypes.CDLL | None:
         if cc is None:
             return None
         lib.parent.mkdir(parents=True, exist_ok=True)
-        # q4gemm.c's SIMD paths carry their own target attributes; -march=native vectorizes decoder.c's loops
-        if not (_build(cc, lib, ["-march=native"]) or _build(cc, lib, [])):
+        # the SIMD paths carry their own target attributes; -march=native vectorizes decoder.c's loops; a compiler
+        # without AMX intrinsics builds the other paths
+        tries = (["-march=native"], ["-march=native", "-DBLOCKSPEC_NO_AMX"], [], ["-DBLOCKSPEC_NO_AMX"])
+        if not any(_build(cc, lib, flags) for flags in tries):
             return None
     dll = ctypes.CDLL(str(lib))
     dll.q4_best_path.restype = ctypes.c_int
@@ -72,7 +74,8 @@ def library() -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def best_path() -> int:
-    """2: AVX512-VNNI, 1: AVX2 (with FMA and F16C), 0: scalar (all three give the same bits)."""
+    """3: AMX-INT8 tiles for calls of 8+ rows (else AVX512-VNNI), 2: AVX512-VNNI, 1: AVX2 (with FMA and F16C),
+    0: scalar (all give the same bits)."""
     lib = library()
     return lib.q4_best_path() if lib is not None else -1
 

@@ -12,17 +12,20 @@ nibbles those of inputs 4c+16..4c+19. One integer multiply-add of a chunk agains
 every lane gives 8 outputs' partial sums at once; d and m are stored [group][block][8] to load as one vector.
 
 Exactness: each output of each row is computed with the same operations in the same order whatever the other rows,
-the thread count (threads split the output groups) and the path (AVX512-VNNI, AVX2 and scalar give the same bits),
+the thread count (threads split the output groups) and the path (AMX, AVX512-VNNI, AVX2 and scalar give the same bits),
 so a verify step's rows equal plain decoding's. Weights stream once per call for all rows: each block's chunks are
 unpacked once and used for up to MR rows. */
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #define QK 32
 #define NG 8 /* outputs per group: the lanes of one 256-bit vector */
+/* AMX from this many rows (verify steps of a few rows measure faster on VNNI: docs/perf.md) */
+#define AMX_MIN_ROWS 8
 
 /* IEEE half -> float, exact (what F16C's vcvtph2ps computes), for the scalar path */
 float fp16_to_f32(uint16_t h) {
@@ -161,15 +164,21 @@ GROUP_SIMD(group_vnni_4, VNNI, DOT4_VNNI, 4)
 typedef void (*group_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int, const int8_t *, const float *,
                          const float *, int, float *, int, int);
 
-/* 2: AVX512-VNNI, 1: AVX2, 0: scalar */
+int amx_available(void);
+void q4_pair_amx(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx, const float *sx,
+                 const float *xs, int r0, int rows, float *y, int N, int g);
+
+/* 3: AMX-INT8 tiles for calls of AMX_MIN_ROWS+ rows (amx.c) and AVX512-VNNI for the others, 2: AVX512-VNNI, 1: AVX2, 0: scalar */
 int q4_best_path(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
         return 0;
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
+    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return 1;
+    return amx_available() ? 3 : 2;
 }
 
-/* one output group for every row, rows in tiles of 4 / 2 / 1 (the results do not depend on the tiling) */
+/* one output group for every row, rows in tiles of 4 / 2 / 1 (the results do not depend on the tiling; AMX's
+pairs of groups are q4_gemm_groups') */
 static void group(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx,
                   const float *sx, const float *xs, int M, float *y, int N, int g, int path) {
     int r0 = 0;
@@ -178,8 +187,8 @@ static void group(const uint8_t *packed, const uint16_t *d, const uint16_t *m, i
         return;
     }
     /* AVX2 has 16 vector registers: 2 rows at a time at most without spilling */
-    group_fn f1 = path == 2 ? group_vnni_1 : group_avx2_1, f2 = path == 2 ? group_vnni_2 : group_avx2_2;
-    if (path == 2)
+    group_fn f1 = path >= 2 ? group_vnni_1 : group_avx2_1, f2 = path >= 2 ? group_vnni_2 : group_avx2_2;
+    if (path >= 2)
         for (; r0 + 4 <= M; r0 += 4) group_vnni_4(packed, d, m, K, qx, sx, xs, r0, y, N, g);
     for (; r0 + 2 <= M; r0 += 2) f2(packed, d, m, K, qx, sx, xs, r0, y, N, g);
     for (; r0 < M; r0++) f1(packed, d, m, K, qx, sx, xs, r0, y, N, g);
@@ -189,12 +198,20 @@ static void group(const uint8_t *packed, const uint16_t *d, const uint16_t *m, i
 own parallel region) */
 void q4_gemm_groups(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
                     const float *sx, const float *xs, int M, float *y, int g0, int g1, int path) {
-    for (int g = g0; g < g1; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
+    int g = g0;
+    if (path == 3 && M >= AMX_MIN_ROWS) /* pairs of groups in tiles of up to 16 rows; an odd last group on VNNI */
+        for (; g + 2 <= g1; g += 2)
+            for (int r0 = 0; r0 < M; r0 += 16)
+                q4_pair_amx(packed, d, m, K, qx, sx, xs, r0, M - r0 < 16 ? M - r0 : 16, y, N, g);
+    for (; g < g1; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
 }
 
 /* y [M, N] = the rows of qx against the N weight rows; output groups split over `threads` (OpenMP) */
 void q4_gemm(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
              const float *sx, const float *xs, int M, float *y, int threads, int path) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int g = 0; g < N / NG; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
+#pragma omp parallel num_threads(threads)
+    {
+        int n = omp_get_num_threads(), t = omp_get_thread_num(), g0 = N / NG * t / n, g1 = N / NG * (t + 1) / n;
+        q4_gemm_groups(packed, d, m, N, K, qx, sx, xs, M, y, g0, g1, path);
+    }
 }

@@ -15,13 +15,18 @@ under 2 * 128 * 127). */
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #define QK 32
 #define NG 8
+/* AMX from this many rows (verify steps of a few rows measure faster on VNNI: docs/perf.md) */
+#define AMX_MIN_ROWS 8
 
 float fp16_to_f32(uint16_t h);
+void q8_pair_amx(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const float *sx, int r0, int rows,
+                 float *y, int N, int g);
 
 /* codes [N, K] int8 -> the chunked layout above; N a multiple of NG */
 void q8w_pack(const int8_t *codes, int N, int K, int8_t *packed) {
@@ -94,7 +99,7 @@ GROUP8_SIMD(g8_vnni_4, VNNI, DOT_VNNI, 4)
 static void group(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const float *sx, int M, float *y,
                   int N, int g, int path) {
     int r0 = 0;
-    if (path == 2) {
+    if (path >= 2) {
         for (; r0 + 4 <= M; r0 += 4) g8_vnni_4(packed, d, K, qx, sx, r0, y, N, g);
         for (; r0 < M; r0++) g8_vnni_1(packed, d, K, qx, sx, r0, y, N, g);
     } else if (path == 1) {
@@ -108,12 +113,19 @@ static void group(const int8_t *packed, const uint16_t *d, int K, const int8_t *
 /* output groups g0..g1-1 of y [M, N] for every row: a thread's share (decoder.c, draft.c) */
 void q8_gemm_groups(const int8_t *packed, const uint16_t *d, int N, int K, const int8_t *qx, const float *sx, int M,
                     float *y, int g0, int g1, int path) {
-    for (int g = g0; g < g1; g++) group(packed, d, K, qx, sx, M, y, N, g, path);
+    int g = g0;
+    if (path == 3 && M >= AMX_MIN_ROWS) /* pairs of groups in tiles of up to 16 rows (amx.c); an odd last group on VNNI */
+        for (; g + 2 <= g1; g += 2)
+            for (int r0 = 0; r0 < M; r0 += 16) q8_pair_amx(packed, d, K, qx, sx, r0, M - r0 < 16 ? M - r0 : 16, y, N, g);
+    for (; g < g1; g++) group(packed, d, K, qx, sx, M, y, N, g, path);
 }
 
 /* y [M, N] = the rows of qx against the N int8 weight rows; output groups split over `threads` (OpenMP) */
 void q8_gemm(const int8_t *packed, const uint16_t *d, int N, int K, const int8_t *qx, const float *sx, int M, float *y,
              int threads, int path) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int g = 0; g < N / NG; g++) group(packed, d, K, qx, sx, M, y, N, g, path);
+#pragma omp parallel num_threads(threads)
+    {
+        int n = omp_get_num_threads(), t = omp_get_thread_num(), g0 = N / NG * t / n, g1 = N / NG * (t + 1) / n;
+        q8_gemm_groups(packed, d, N, K, qx, sx, M, y, g0, g1, path);
+    }
 }
