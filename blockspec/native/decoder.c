@@ -80,6 +80,7 @@ static void attend(const decoder_dims *dm, const float *q, int64_t n, const floa
         mx = scores[j] > mx ? scores[j] : mx;
     }
     float acc[LANES] = {0};
+#pragma omp simd
     for (int64_t j = 0; j < n; j++) scores[j] = fast_exp(scores[j] - mx);
     for (int64_t j = 0; j < n; j++) acc[j % LANES] += scores[j];
     float inv = 1.0f / sum_lanes(acc);
@@ -154,6 +155,7 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
     for (int t = 0; t < T; t++) {
         const float *gu = sh->gate_up + (size_t)t * 2 * I;
         float *act = pv->act + (size_t)t * I;
+#pragma omp simd
         for (int i = 0; i < I; i++) act[i] = gu[i] / (1.0f + fast_exp(-gu[i])) * gu[I + i];
     }
     quantize(pv->act, T, I, &pv->in);
