@@ -55,12 +55,13 @@ class SpeculativeConfig:
     # CPU only: run the drafter, and its pass over the target's lm_head, in bf16 on weights packed once for oneDNN
     # (blockspec/layers/cpu_packed.py). The target still verifies every draft in its own dtype: outputs are those of
     # plain decoding; only the drafts (acceptance) may differ. None (unset): off here; the commands turn it on where
-    # the CPU has bf16 units (cpu_draft_defaults)
+    # the CPU has bf16 units (cpu_draft_defaults). Under a target on the native q4 stack the native drafter
+    # (blockspec/native/draft.py) runs instead.
     cpu_bf16_draft: bool | None = field(default=None, metadata={
         "methods": ("dflash",),
         "help": "CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); the "
                 "target still verifies every draft in its own dtype, so outputs do not change (default: on where "
-                "the CPU has them)"})
+                "the CPU has them; a q4 target on the native kernels drafts on them instead, in Q8_0)"})
     # argmax drafts over token ids < N only (a smaller draft head: BPE ids are roughly frequency-ordered, so the
     # first ids cover most output tokens). Lossless: the target still verifies; drafts of ids >= N are never made.
     # None: the whole vocabulary. Argmax drafting only.

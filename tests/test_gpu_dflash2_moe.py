@@ -6,8 +6,8 @@ CUDA is absent).
   fp32 greedy output equals eager, plain decoding and the CPU engine; sampled drafts (probabilistic drafting) give
   the same tokens captured and eager for the same seeds.
 - Qwen3-MoE (issue 41): a tiny random target (tests/moe_utils.py) in fp32 gives the CPU model's logits, and the CPU
-  engine's greedy plain and DFlash outputs, with enforce_eager; capturing its decode step fails in one line asking
-  for --enforce-eager (the grouped experts path reads per-expert row counts on the host: blockspec/layers/moe.py)."""
+  engine's greedy plain and DFlash outputs, through the fused MoE kernel (layers/fused_moe.py), eager and inside the
+  captured decode step."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from blockspec.config import SpeculativeConfig
-from blockspec.errors import ConfigError
 from blockspec.layers.moe import SparseMoeBlock
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
@@ -190,17 +189,21 @@ def test_cuda_moe_engine_eager_equals_cpu(moe):
         assert all(len(acc) > 0 for _, acc, _ in spec_gpu), name  # every request verified drafts
 
 
-def test_cuda_moe_captured_decode_step_asks_for_enforce_eager(moe):
-    """Documents the current behaviour: without enforce_eager the engine still tries to capture a MoE target's
-    decode step (it does not ask the model first); the eager warm-up runs, then the capture stops at the first MoE
-    layer with one line asking for --enforce-eager, and no graph is kept. (Last in the file: a failed capture.)"""
-    _, gpu, _ = moe
-    llm = LLM.from_loaded(gpu, None, block_size=8)
-    dec = llm.engine.runner.decode
-    assert dec.capture
-    with pytest.raises(ConfigError, match="cannot run inside a CUDA graph; run the MoE target with --enforce-eager"
-                       ) as err:
-        llm.generate([[5, 9, 33]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert "\n" not in str(err.value)
-    assert not dec.graphs
-    torch.cuda.synchronize()  # the device is still usable after the aborted capture
+def test_cuda_moe_captured_decode_step_equals_eager_and_cpu(moe):
+    """The fused MoE kernel (layers/fused_moe.py: no host sync) runs inside the captured decode step: plain, DFlash
+    and DFlash 2 outputs captured equal the CPU's (and so eager's, above), and spec equals plain."""
+    cpu, gpu, drafts = moe
+    assert all(m.stacked is not None for m in gpu.model.modules() if isinstance(m, SparseMoeBlock))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 3, 26)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 40, 30, 20, 8, 28)]
+    kw = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    plain_cpu, _ = _run(cpu, None, prompts, params, **kw)
+    plain_gpu, dec = _run(gpu, None, prompts, params, **kw)
+    assert dec.capture and dec.graphs
+    assert _tokens(plain_gpu) == _tokens(plain_cpu)
+    for name, d in drafts.items():
+        spec = SpeculativeConfig(draft_model=str(d))
+        spec_gpu, dec = _run(gpu, load_draft(spec, gpu), prompts, params, **kw)
+        assert dec.graphs, name
+        assert _tokens(spec_gpu) == _tokens(plain_cpu), name

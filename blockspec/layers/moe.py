@@ -1,4 +1,5 @@
-"""Routed mixture-of-experts: softmax top-k routing and the grouped per-expert path (CPU, and eager CUDA).
+"""Routed mixture-of-experts: softmax top-k routing and the grouped per-expert path (CPU; on the GPU the fused
+kernel of layers/fused_moe.py runs the experts, inside captured steps too).
 
 Grouped: the (row, expert) pairs of a step are sorted by expert; each expert that any row chose runs once, as an
 ordinary SwiGLU MLP over exactly the rows routed to it, and its weighted output is added into those rows. An expert's
@@ -60,9 +61,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for every row t of x [T, H], each expert run once over the rows
     routed to it, the terms of a row added in ascending expert id (module docstring: row invariance)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        # the per-expert row counts come back to the host: no static shapes to capture (a fused MoE kernel would)
-        raise ConfigError("the grouped mixture-of-experts path cannot run inside a CUDA graph; "
-                          "run the MoE target with --enforce-eager")
+        # the per-expert row counts come back to the host: no static shapes to capture (the fused kernel has them)
+        raise ConfigError("the grouped mixture-of-experts path cannot run inside a CUDA graph (its experts are "
+                          "not plain linears the fused kernel takes); run the MoE target with --enforce-eager")
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (row, expert) pairs grouped by expert, ascending
@@ -89,6 +90,18 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden_size, len(experts), bias=False)
         self.experts = experts
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        # (gate|up [E, 2I, H], down [E, H, I]): the experts' weights stacked for the fused kernel (stack_experts)
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def stack_experts(self) -> None:
+        """Stack the experts' weights for the fused GPU kernel (layers/fused_moe.py), where every expert is a plain
+        bias-free MLP; others keep the grouped path."""
+        plain = all(type(lin) is nn.Linear and lin.bias is None
+                    for e in self.experts for lin in (e.gate_up_proj, e.down_proj))
+        if plain:
+            from blockspec.layers.fused_moe import stack_experts  # imports triton
+
+            self.stacked = stack_experts(self.experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) [T, top_k] of each row of x [T, hidden]."""
@@ -96,6 +109,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.stacked is not None and kernels.fused(x):
+            from blockspec.layers.fused_moe import fused_experts  # imports triton
+
+            return fused_experts(x, weights, ids, *self.stacked)
         return grouped_experts(x, weights, ids, self.experts)
 
     def extra_repr(self) -> str:

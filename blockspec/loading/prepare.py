@@ -25,6 +25,7 @@ from blockspec.errors import BlockspecError
 from blockspec.layers import cpu_packed, cpu_quant, kernels
 from blockspec.layers.cpu_packed import PackedLinear
 from blockspec.layers.cpu_quant import QuantLinear
+from blockspec.layers.moe import SparseMoeBlock
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_io import Cast, OwnHead, VocabPrefixHead
 from blockspec.models.qkv import PackedContextKV, PackedQKV
@@ -88,6 +89,10 @@ def prepare_target(model: nn.Module, options: TargetOptions) -> None:
             model.native = NativeDecoder(model)
     if options.cpu_packed:  # after quantizing: packs the linears the quantized kernel does not take
         cpu_packed.pack_target(model)
+    if kernels.fused_device(next(model.parameters()).device):  # before the batch-invariant swap takes the weights
+        for module in model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stack_experts()  # the fused MoE kernel's stacked weights (layers/fused_moe.py)
     if options.batch_invariant:
         from blockspec.layers.invariant_linear import make_batch_invariant  # imports triton
 

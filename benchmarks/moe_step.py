@@ -1,0 +1,125 @@
+"""Step benchmark for a mixture-of-experts target on the GPU (issue 41): the engine's captured decode step, plain and
+DFlash, on a Qwen3-30B-A3B-shaped bf16 target with random weights (made on the device) and a 5-layer block-16
+drafter, against a floor that counts the experts a step actually reads.
+
+Floor: benchmarks/parts.py's FLOOR_DEFINITION, with the target's matrices counted as its dense weights (attention,
+norms, routers) plus, per MoE layer, the experts its rows chose in that step, each once (the union over the step's
+rows: what the fused kernel reads, layers/fused_moe.py). The unions are recorded from one eager pass of the same
+step on the same inputs. With random weights the router is near uniform, so a verify block's union is close to the
+random-routing expectation (E (1 - (1 - k/E)^rows)); a trained model's rows agree more and read fewer experts.
+Usage: python -m benchmarks.moe_step --out docs/perf/moe_step_bench.json [--batches 1,8] [--K 15]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.parts import floor_bytes, floor_ms
+from benchmarks.random_pair import make_pair
+from benchmarks.step import copy_bandwidth, free_memory, time_ms
+from blockspec.config import EngineConfig
+from blockspec.engine.decode_step import DecodeBuffers
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.layers.moe import SparseMoeBlock
+
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False)
+MASK, TAPS, DRAFT_LAYERS = 151669, [1, 12, 23, 34, 45], 5
+
+
+def expert_bytes(block: SparseMoeBlock) -> int:
+    gate_up, down = block.stacked
+    return (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+
+
+def step(lm, draft, B: int, ctx: int, K: int) -> dict:
+    """Graph ms of one decode step of B requests at context ctx (K drafts, 0: plain) and the experts each MoE layer
+    read in it (one eager pass of the same step)."""
+    per = -(-(ctx + 2 * K + 2) // 16)
+    engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
+    dec = engine.runner.decode
+    buf = DecodeBuffers.allocate(B, K, dec.draft_rows(K), dec.width, None, torch.device("cuda"))
+    buf.input_ids.random_(0, lm.config.vocab_size)
+    buf.start.fill_(ctx)
+    buf.valid.fill_(True)
+    buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
+    rows = buf.sampling
+    unions: list[int] = []
+    blocks = [m for m in lm.model.modules() if isinstance(m, SparseMoeBlock)]
+    route = SparseMoeBlock.route
+
+    def recorded(self, x):
+        weights, ids = route(self, x)
+        unions.append(int(ids.unique().numel()))
+        return weights, ids
+
+    with torch.inference_mode():
+        SparseMoeBlock.route = recorded
+        try:
+            dec.forward(buf, rows, K)
+        finally:
+            SparseMoeBlock.route = route
+        dec.replay(buf, rows, K, K)  # warm-up + capture
+        ms = time_ms(lambda: dec.replay(buf, rows, K, K), 30)
+    return {"ms": ms, "experts_read": unions[:len(blocks)], "rows": B * (K + 1)}
+
+
+def moe_floor(lm, draft, B: int, ctx: int, unions: list[int]) -> dict:
+    """floor_bytes with the experts counted as read: the dense weights, plus each layer's union once."""
+    parts = floor_bytes(lm, draft, B, ctx)
+    blocks = [m for m in lm.model.modules() if isinstance(m, SparseMoeBlock)]
+    all_experts = sum(len(b.experts) * expert_bytes(b) for b in blocks)
+    read = sum(n * expert_bytes(b) for b, n in zip(blocks, unions))
+    parts["target_matrices"] += read - all_experts
+    parts["experts_read"] = read
+    parts["total"] += read - all_experts
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="moe_step_bench.json")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--K", type=int, default=15)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    lm, draft = make_pair(QWEN3_30B_A3B, args.K, DRAFT_LAYERS, TAPS, MASK, torch.device("cuda"), torch.bfloat16)
+    for m in lm.model.modules():
+        if isinstance(m, SparseMoeBlock):
+            m.stack_experts()  # what load_model's prepare_target does on CUDA
+    free_memory()
+    rows = []
+    for B in map(int, args.batches.split(",")):
+        ar = step(lm, None, B, args.context, 0)
+        free_memory()
+        spec = step(lm, draft, B, args.context, args.K)
+        free_memory()
+        ar_floor, spec_floor = moe_floor(lm, None, B, args.context, ar["experts_read"]), \
+            moe_floor(lm, draft, B, args.context, spec["experts_read"])
+        r = {"batch": B, "context": args.context, "K": args.K, "ar_step_ms": ar["ms"], "spec_step_ms": spec["ms"],
+             "ar_floor_ms": floor_ms(ar_floor, bw), "spec_floor_ms": floor_ms(spec_floor, bw),
+             "ar_experts_read_per_layer": sum(ar["experts_read"]) / len(ar["experts_read"]),
+             "spec_experts_read_per_layer": sum(spec["experts_read"]) / len(spec["experts_read"]),
+             "ar_bytes": ar_floor["total"], "spec_bytes": spec_floor["total"],
+             "spec_over_ar_bytes": spec_floor["total"] / ar_floor["total"], "spec_over_ar_ms": spec["ms"] / ar["ms"]}
+        r["ar_ratio_to_floor"] = r["ar_step_ms"] / r["ar_floor_ms"]
+        r["spec_ratio_to_floor"] = r["spec_step_ms"] / r["spec_floor_ms"]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9,
+              "target": "Qwen3-30B-A3B-shaped, random bf16 weights (128 experts, top-8, 48 layers)",
+              "drafter": f"{DRAFT_LAYERS}-layer block-16 DFlash, random", "floor": __doc__.split("\n\n")[1],
+              "target_weight_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),
+              "table": rows}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
