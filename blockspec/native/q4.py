@@ -20,6 +20,9 @@ import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "amx.c", "decoder.c", "draft.c")]
 HEADERS = [Path(__file__).with_name("native.h")]
+# -ffp-contract=off: no multiply-add is fused in one place and not in another (decoder.c's exactness);
+# -fno-math-errno: sqrtf and lrintf become single instructions and their loops vectorize (same results)
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 QK = 32  # inputs per block
 
 
@@ -38,9 +41,8 @@ def _cpu_flags() -> bytes:
 
 def _build(cc: str, lib: Path, flags: list[str]) -> bool:
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    # -ffp-contract=off: no multiply-add is fused in one place and not in another (decoder.c's exactness)
-    done = subprocess.run([cc, "-O3", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp),
-                           *map(str, SOURCES), "-lm"], capture_output=True, text=True)
+    done = subprocess.run([cc, *COMMON_FLAGS, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         return False
     tmp.replace(lib)  # atomic: two processes building at once never load half a file
@@ -54,7 +56,8 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("BLOCKSPEC_NATIVE", "1") == "0":
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + _cpu_flags()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(COMMON_FLAGS).encode()
+                            + _cpu_flags()).hexdigest()[:16]
     lib = cache_dir() / f"blockspec-native-{digest}.so"
     if not lib.is_file():
         if cc is None:
