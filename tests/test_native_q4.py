@@ -82,3 +82,15 @@ def test_q8_paths_and_threads_give_the_same_bits_and_rows_are_alone(N, K):
     amax = x8.abs().amax(-1, keepdim=True)
     xq = (torch.round(x8 * torch.where(amax > 0, 127 / amax, 0)) * amax / 127).view(17, K).double()
     torch.testing.assert_close(out.double(), xq @ w_deq.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_q8_heads_row_prefix_is_a_view_computing_the_prefix_alone():
+    """The drafter's vocabulary prefix of a q4 target's int8 head (loading/prepare.py): the head's own blocks, no
+    copy, the same bits as the prefix quantized and computed on its own."""
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(8))
+    head = cpu_quant.NativeQ8Linear(w, None)
+    prefix = head.rows(40)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    assert prefix.weights.packed.data_ptr() == head.weights.packed.data_ptr()
+    assert torch.equal(prefix(x), cpu_quant.NativeQ8Linear(w[:40], None)(x))
+    assert torch.equal(prefix(x), head(x)[:, :40])

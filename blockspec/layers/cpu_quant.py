@@ -222,6 +222,15 @@ class NativeQ8Linear(QuantLinear):
 
     forward = NativeQ4Linear.forward
 
+    def rows(self, n: int) -> "NativeQ8Linear":
+        """The first n output rows (a multiple of 8), sharing this linear's packed weights (the drafter's vocabulary
+        prefix of a q4 target's head: its codes are the head's, and one copy stays in memory and cache)."""
+        out = object.__new__(NativeQ8Linear)
+        nn.Module.__init__(out)
+        out.out_features, out.in_features, out.bias = n, self.in_features, None
+        out.weights = self.weights.rows(n)
+        return out
+
 
 class Int8Linear(QuantLinear):
     mode = "q8"

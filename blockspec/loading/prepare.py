@@ -147,4 +147,6 @@ def _quantized_prefix(lm_head: nn.Module, n: int) -> QuantLinear | None:
     these are the head's own codes), or None where the head is not quantized or the kernel does not take n rows."""
     if not isinstance(lm_head, QuantLinear) or not cpu_quant.fits(lm_head.mode, lm_head.weight[:n]):
         return None
+    if isinstance(lm_head, cpu_quant.NativeQ8Linear) and n % 8 == 0 and lm_head.bias is None:
+        return lm_head.rows(n)  # a view of the head's own blocks
     return cpu_quant.quantize(lm_head.mode, lm_head.weight[:n], None)

@@ -138,6 +138,14 @@ class Q8Weights:
         library().q8w_pack(_ptr(codes.to(torch.int8).contiguous()), N, K, _ptr(self.packed))
         self.d = _by_group(d, N, self.KB)
 
+    def rows(self, n: int) -> "Q8Weights":
+        """The first n outputs (a multiple of 8) as weights of their own: views of these (groups are stored one after
+        another), no copy."""
+        out = object.__new__(Q8Weights)
+        out.N, out.K, out.KB = n, self.K, self.KB
+        out.packed, out.d = self.packed[:n * self.K], self.d[:n // 8]
+        return out
+
     def matmul(self, x: torch.Tensor, path: int | None = None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 (activations quantized per row and block of 32 to int8 inside)."""
         M = x.shape[0]
