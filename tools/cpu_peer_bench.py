@@ -83,6 +83,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def drafter_kind(draft, bf16: bool) -> str:
+    """What the drafter ran on, for the JSON."""
+    if draft.model.native is not None:
+        return "native (blockspec/native/draft.py: Q8_0 linears, int8 activations, one call per pass)"
+    return f"{'bf16' if bf16 else 'fp32'} oneDNN-packed"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -188,7 +195,7 @@ def main() -> int:
                     f"dflash: --spec-type draft-dflash with {peer.DRAFT_GGUF.name} (blockspec export-draft --format "
                     f"gguf); ngram: --spec-type ngram-simple, n {peer.NGRAM['size_n']}, m {peer.NGRAM['size_m']}",
             "blockspec": f"target: fp32 activations, linears: {cpu_quant.kernel_name(lm.cpu_quant)}, lm_head: "
-                         f"{type(lm.model.lm_head).__name__}; drafter: {'bf16' if bf16 else 'fp32'} oneDNN-packed, "
+                         f"{type(lm.model.lm_head).__name__}; drafter: {drafter_kind(draft, bf16)}, "
                          f"K = {K}, full-block drafting, draft vocabulary {CPU_DRAFT_VOCAB}"},
         "llama_cpp_dflash_draft_length_sweep": list(sweep.values()),
         "rows": rows,

@@ -72,12 +72,16 @@ static inline void rotary(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-/* e^x (softmax after the max is taken, SiLU): 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], a degree-6 polynomial
+/* e^x (softmax after the max is taken, SiLU): 2^(x log2 e) as 2^n * 2^f, |f| <= ~0.5, a degree-6 polynomial
 (relative error ~2e-7). Written so the compiler vectorizes it: libm's expf is a call per element. */
 static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
     float t = x * 1.44269504088896341f;
-    float n = floorf(t + 0.5f), f = t - n;
+    /* n = round(t) by truncating a positive number (t >= -125.5 after the clamp): floorf would keep the loops
+    calling this from vectorizing */
+    int32_t k = (int32_t)(t + 128.5f) - 128;
+    float n = (float)k, f = t - n;
     float p = 1.5403530393381606e-4f;
     p = p * f + 1.3333558146428443e-3f;
     p = p * f + 9.6181291076284772e-3f;
@@ -85,7 +89,7 @@ static inline float fast_exp(float x) {
     p = p * f + 2.4022650695910071e-1f;
     p = p * f + 6.9314718055994531e-1f;
     p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
+    int32_t bits = (k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;

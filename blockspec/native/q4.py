@@ -21,8 +21,9 @@ import torch
 SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "amx.c", "decoder.c", "draft.c")]
 HEADERS = [Path(__file__).with_name("native.h")]
 # -ffp-contract=off: no multiply-add is fused in one place and not in another (decoder.c's exactness);
-# -fno-math-errno: sqrtf and lrintf become single instructions and their loops vectorize (same results)
-COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+# -fno-math-errno, -fno-trapping-math: sqrtf and lrintf become single instructions and the loops with conversions and
+# clamps (exp, SiLU) vectorize; neither lets the compiler change a result (no reassociation, no fast math)
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 QK = 32  # inputs per block
 
 

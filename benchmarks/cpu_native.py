@@ -1,0 +1,89 @@
+"""The native CPU kernels on the bundled pair (docs/perf.md, "CPU: the native drafter"): ms per call, median of
+--reps, of the q4 target's whole layer stack (blockspec/native/decoder.c) at 1, 4 and 16 rows after --context
+tokens of one sequence, its int8 head, the native drafter's block forward (draft.c's stack in draft-block mode) and
+its context append, at each thread count. What a plain step (1 row), a K = 3 verify (4 rows) and a draft block
+(16 rows) cost on this machine. Usage: python -m benchmarks.cpu_native [--threads 1,2] [--context 200]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from blockspec.attention.paged_ref import PagedBatch
+from blockspec.config import SpeculativeConfig
+from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.loading.bundled_draft import bundled_draft_path
+from blockspec.loading.draft_loader import load_draft
+from blockspec.loading.loader import LoadConfig, load_model
+from blockspec.native import q4
+
+BLOCK = 16
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def batch(first: int, rows: int, kv_len: int, stored: bool) -> PagedBatch:
+    pos = torch.arange(first, first + rows)
+    return PagedBatch(pos, pos.clone() if stored else torch.full_like(pos, -1), torch.tensor([0, rows],
+                      dtype=torch.int32), torch.tensor([kv_len], dtype=torch.int32), torch.arange(64)[None], rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    lm = load_model(None, LoadConfig(device="cpu", cpu_quant="auto"))
+    draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), num_draft_tokens=3,
+                                         full_block_drafting=True, draft_vocab_size=24576), lm)
+    stack, native_draft = lm.model.native, draft.model.native
+    if stack is None or native_draft is None:
+        print("the native kernels did not build here (or BLOCKSPEC_NATIVE=0): nothing to time")
+        return 1
+    cfg, dcfg, ctx = lm.config, draft.config, args.context
+    pool = KVPool(64, BLOCK, CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
+                  CacheShape(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim), torch.float32,
+                  torch.device("cpu"))
+    H = cfg.hidden_size
+    results = {"path": q4.best_path(), "context": ctx, "rows": {}}
+    for threads in map(int, args.threads.split(",")):
+        torch.set_num_threads(threads)
+        row: dict[str, float] = {}
+        for rows in (1, 4, 16):
+            b = batch(ctx, rows, ctx + rows, stored=True)
+            x = torch.randn(rows, H)
+            cos, sin = lm.model.rotary.cos_sin(b.positions, torch.float32)
+            row[f"target_stack_{rows}"] = median_ms(lambda: stack.forward(x, cos, sin, pool, b, []), args.reps)
+            if rows < 16:
+                row[f"head_{rows}"] = median_ms(lambda: lm.model.compute_logits(x), args.reps)
+        b = batch(ctx, BLOCK, ctx, stored=False)
+        x = torch.randn(BLOCK, H)
+        cos, sin = draft.model.rotary.cos_sin(b.positions, torch.float32)
+        row["draft_block_16"] = median_ms(lambda: native_draft.forward(x, cos, sin, pool, b), args.reps)
+        taps = torch.randn(4, len(draft.spec.target_layer_ids) * H)
+        tc, ts = draft.model.rotary.cos_sin(torch.arange(ctx, ctx + 4), torch.float32)
+        slots = torch.arange(ctx, ctx + 4)
+        row["draft_context_4"] = median_ms(
+            lambda: native_draft.context(taps, tc, ts, list(pool.draft_k), list(pool.draft_v), slots), args.reps)
+        results["rows"][threads] = row
+        print(f"{threads} thread(s): " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()), flush=True)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
