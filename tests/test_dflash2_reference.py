@@ -379,3 +379,22 @@ def test_codebooks_saved_with_a_weight_suffix_load_too(tmp_path):
     save_file({k.replace("successor_codebook", "successor_table"): v for k, v in tensors.items()}, str(file))
     with pytest.raises(BlockspecError, match="candidate_selector.successor_table"):
         load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm)
+
+
+def test_tensor_parallel_2_equals_one_device(trained2):
+    """LLM(tensor_parallel_size=2) on the CPU (gloo) with the DFlash 2 drafter: the ranks shard target and drafter and
+    run the convolutions and the selector on their own; tokens and acceptance lengths equal one device's."""
+    from trained_pair import CYCLE_A, CYCLE_B, cycle_seq
+
+    lm, _, _, draft = trained2
+    prompts = [cycle_seq((CYCLE_A, CYCLE_B)[i % 2], 2 * i, 6 + 5 * i) for i in range(3)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [(o.token_ids, o.acceptance_lengths)
+            for o in LLM.from_loaded(lm, draft).generate(prompts, params, use_tqdm=False)]
+    tp = LLM(str(lm.source.path), {"draft_model": str(draft.source)}, device="cpu", tensor_parallel_size=2)
+    try:
+        got = [(o.token_ids, o.acceptance_lengths) for o in tp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        tp.close()
+    assert got == want
+    assert max(max(a) for _, a in want) > 2  # the selector's drafts were accepted
