@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from typing import Callable
 
 import torch
 
+from benchmarks.cpu_quant_kernels import median_ms
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.config import SpeculativeConfig
 from blockspec.kv.pool import CacheShape, KVPool
@@ -23,16 +21,6 @@ from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.native import q4
 
 BLOCK = 16
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def batch(first: int, rows: int, kv_len: int, stored: bool) -> PagedBatch:

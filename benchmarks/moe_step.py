@@ -18,10 +18,7 @@ import torch
 
 from benchmarks.parts import floor_bytes, floor_ms
 from benchmarks.random_pair import make_pair
-from benchmarks.step import copy_bandwidth, free_memory, time_ms
-from blockspec.config import EngineConfig
-from blockspec.engine.decode_step import DecodeBuffers
-from blockspec.engine.llm_engine import LLMEngine
+from benchmarks.step import copy_bandwidth, decode_inputs, free_memory, time_ms
 from blockspec.layers.moe import SparseMoeBlock
 
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -40,15 +37,8 @@ def expert_bytes(block: SparseMoeBlock) -> int:
 def step(lm, draft, B: int, ctx: int, K: int) -> dict:
     """Graph ms of one decode step of B requests at context ctx (K drafts, 0: plain) and the experts each MoE layer
     read in it (one eager pass of the same step)."""
-    per = -(-(ctx + 2 * K + 2) // 16)
-    engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
-    dec = engine.runner.decode
-    buf = DecodeBuffers.allocate(B, K, dec.draft_rows(K), dec.width, None, torch.device("cuda"))
-    buf.input_ids.random_(0, lm.config.vocab_size)
-    buf.start.fill_(ctx)
-    buf.valid.fill_(True)
-    buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
-    rows = buf.sampling
+    engine, buf = decode_inputs(lm, draft, B, ctx, K)
+    dec, rows = engine.runner.decode, buf.sampling
     unions: list[int] = []
     blocks = [m for m in lm.model.modules() if isinstance(m, SparseMoeBlock)]
     route = SparseMoeBlock.route

@@ -68,14 +68,10 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int | None = None,
-            eager: bool = True) -> tuple[float, float | None, dict | None]:
-    """(graph ms, eager ms, breakdown at batch 1) of one decode step of B requests at context ctx, with K drafts
-    (default: the drafter's)."""
-    from benchmarks.parts import breakdown
-
-    if K is None:
-        K = draft.spec.num_draft_tokens if draft is not None else 0
+def decode_inputs(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
+                  ) -> tuple[LLMEngine, DecodeBuffers]:
+    """An engine for B requests and the decode step's inputs: B random tokens each at context ctx, K drafts, every
+    request's blocks laid out in turn."""
     per = -(-(ctx + 2 * K + 2) // 16)
     engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
     dec = engine.runner.decode
@@ -84,6 +80,19 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
     buf.start.fill_(ctx)
     buf.valid.fill_(True)
     buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
+    return engine, buf
+
+
+def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int | None = None,
+            eager: bool = True) -> tuple[float, float | None, dict | None]:
+    """(graph ms, eager ms, breakdown at batch 1) of one decode step of B requests at context ctx, with K drafts
+    (default: the drafter's)."""
+    from benchmarks.parts import breakdown
+
+    if K is None:
+        K = draft.spec.num_draft_tokens if draft is not None else 0
+    engine, buf = decode_inputs(lm, draft, B, ctx, K)
+    dec = engine.runner.decode
     rows = buf.sampling  # greedy rows (SamplingRows.allocate)
     with torch.inference_mode():
         dec.replay(buf, rows, K, K)  # warm-up + capture

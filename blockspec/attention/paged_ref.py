@@ -85,14 +85,14 @@ def store(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torc
     cache_v.index_copy_(0, dest, v if v.dtype == cache_v.dtype else v.to(cache_v.dtype))
 
 
-class PagedTargetAttention(AttentionBase):
-    """Causal attention of the batch's new tokens over each sequence's paged context (AttentionFn)."""
+class PagedRows:
+    """A pool and a batch, with the host-side row bounds and context rows of each sequence built on first use, once
+    per forward: a model whose native stack runs the attention itself (`native_paged`, blockspec/native/) never
+    needs them (and never syncs for them)."""
 
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
         self.pool, self.batch = pool, batch
 
-    # Built on first use, once per forward: a model whose native layer stack runs the attention itself
-    # (RowwiseTargetAttention.native_paged) never needs them.
     @functools.cached_property
     def _host(self) -> tuple[list[int], list[int]]:
         return self.batch.host_lists()
@@ -102,12 +102,16 @@ class PagedTargetAttention(AttentionBase):
         return self._host[0]
 
     @functools.cached_property
-    def written(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return written_rows(self.batch.slot_mapping)  # the same for every layer
-
-    @functools.cached_property
     def contexts(self) -> list[slice | torch.Tensor]:
         return context_rows(self.batch, self._host[1], self.pool.block_size)
+
+
+class PagedTargetAttention(PagedRows, AttentionBase):
+    """Causal attention of the batch's new tokens over each sequence's paged context (AttentionFn)."""
+
+    @functools.cached_property
+    def written(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return written_rows(self.batch.slot_mapping)  # the same for every layer
 
     @functools.cached_property
     def masks(self) -> list[torch.Tensor]:
@@ -170,26 +174,13 @@ class RowwiseTargetAttention(PagedTargetAttention):
         return out
 
 
-class PagedDraftAttention:
+class PagedDraftAttention(PagedRows):
     """Draft block attention: each sequence's block rows over its cached draft context (positions < kv_len, which
     is the block's start) plus the block's own K/V, masked per layer (DraftAttentionFn)."""
 
     def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
-        self.pool, self.batch = pool, batch
+        super().__init__(pool, batch)
         self._masks: dict[tuple[bool, int | None], list[torch.Tensor]] = {}
-
-    # Built on first use: a native drafter (blockspec/native/draft.py) runs the attention itself and never needs them
-    @functools.cached_property
-    def _host(self) -> tuple[list[int], list[int]]:
-        return self.batch.host_lists()
-
-    @property
-    def qs(self) -> list[int]:
-        return self._host[0]
-
-    @functools.cached_property
-    def contexts(self) -> list[slice | torch.Tensor]:
-        return context_rows(self.batch, self._host[1], self.pool.block_size)
 
     @functools.cached_property
     def k_pos(self) -> list[torch.Tensor]:

@@ -58,13 +58,62 @@ def _weight(linear: nn.Module) -> _Weight:
     return _Weight(_ptr(w.packed), _ptr(w.d), _ptr(m), _ptr(linear.bias), w.N, w.K, 4 if m is not None else 8)
 
 
-class NativeDecoder:
-    """The layer stack of one q4 model for decoder.c: its weights' addresses, kept alive by the model's modules."""
+class NativeStack:
+    """What decoder.c runs for a model: its layers' weight addresses (`layers`, kept alive by the model's modules and
+    `keep`), final norm and dims; `run` is one forward of a paged batch."""
+
+    layers: ctypes.Array
+    dims: _Dims
+    final_norm: int
+
+    def __init__(self) -> None:
+        self.keep: list[object] = []  # what the C structs point into, besides the model's own tensors
+
+    def _f32(self, w: torch.Tensor) -> int:
+        """An fp32 contiguous copy of w, kept alive here; its address."""
+        t = w.detach().float().contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def bind(self, k_caches: torch.Tensor, v_caches: torch.Tensor) -> None:
+        """Point each layer at its [slots, Hkv, D] fp32 k / v caches (k_caches[i], v_caches[i])."""
+        for i in range(len(self.layers)):
+            self.layers[i].k_cache, self.layers[i].v_cache = k_caches[i].data_ptr(), v_caches[i].data_ptr()
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: PagedBatch,
+            caches: tuple[torch.Tensor, torch.Tensor], tap_layers: Sequence[int], draft_block: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H] in, cos/sin [T, 1, D], the layers' caches in `pool` -> (final-normed hidden [T, H], taps
+        [T, len(tap_layers) * H] or None). draft_block: the batch's rows are draft blocks (each row sees its
+        sequence's kv_len cached keys and its whole block, whose k/v are not stored); else target rows, stored at
+        their slots and causal over the pool."""
+        T, H = x.shape
+        h = x.float().clone().contiguous()
+        taps = torch.empty(T, len(tap_layers) * H) if tap_layers else None
+        self.bind(*caches)
+        counts = batch.query_start[1:] - batch.query_start[:-1]
+        row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts.long())
+        keep = [cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous(),
+                batch.positions.to(torch.int64).contiguous(), batch.slot_mapping.to(torch.int64).contiguous(),
+                row_seq, batch.kv_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int64).contiguous(),
+                torch.tensor(list(tap_layers), dtype=torch.int32), batch.query_start.to(torch.int32).contiguous()]
+        b = _Batch(T, *(_ptr(t) for t in keep[:7]), keep[6].shape[1], pool.block_size, _ptr(keep[7]),
+                   len(tap_layers), _ptr(keep[8]) if draft_block else None)
+        self.dims.threads = torch.get_num_threads()
+        if q4.library().decoder_forward(ctypes.byref(self.dims), self.layers, ctypes.c_void_p(self.final_norm),
+                                        ctypes.byref(b), ctypes.c_void_p(h.data_ptr()),
+                                        ctypes.c_void_p(_ptr(taps))) != 0:
+            raise MemoryError("the native layer stack could not allocate its scratch memory")
+        return h, taps
+
+
+class NativeDecoder(NativeStack):
+    """The layer stack of one q4 model for decoder.c."""
 
     def __init__(self, model: nn.Module) -> None:
+        super().__init__()
         cfg = model.config
         self.layers = (_Layer * len(model.layers))()
-        self.norms: list[torch.Tensor] = []  # fp32 contiguous copies where a norm weight is not one already
         for i, layer in enumerate(model.layers):
             att, mlp = layer.self_attn, layer.mlp
             norm = lambda m: None if m is None else self._f32(m.weight)  # noqa: E731
@@ -75,11 +124,6 @@ class NativeDecoder:
         first = model.layers[0].self_attn
         self.dims = _Dims(cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size,
                           len(model.layers), cfg.rms_norm_eps, first.scale, 1, q4.best_path())
-
-    def _f32(self, w: torch.Tensor) -> int:
-        t = w.detach().float().contiguous()
-        self.norms.append(t)
-        return t.data_ptr()
 
     @staticmethod
     def runs(model: nn.Module) -> bool:
@@ -105,24 +149,4 @@ class NativeDecoder:
                 tap_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """embeds [T, H], cos/sin [T, 1, D] (the rotary table), the fp32 pool and the batch's paged metadata ->
         (final-normed hidden [T, H], taps [T, len(tap_layers) * H] or None); stores the rows' k/v in the pool."""
-        k_cache, v_cache = pool.k, pool.v
-        T, H = embeds.shape
-        h = embeds.float().clone().contiguous()
-        taps = torch.empty(T, len(tap_layers) * H) if tap_layers else None
-        for i in range(len(self.layers)):
-            self.layers[i].k_cache, self.layers[i].v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
-        counts = batch.query_start[1:] - batch.query_start[:-1]
-        row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts.long())
-        keep = [cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous(),
-                batch.positions.to(torch.int64).contiguous(), batch.slot_mapping.to(torch.int64).contiguous(),
-                row_seq, batch.kv_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int64).contiguous(),
-                torch.tensor(list(tap_layers), dtype=torch.int32)]
-        tables = keep[6]
-        b = _Batch(T, *(_ptr(t) for t in keep[:7]), tables.shape[1], pool.block_size, _ptr(keep[7]),
-                   len(tap_layers))
-        self.dims.threads = torch.get_num_threads()
-        if q4.library().decoder_forward(ctypes.byref(self.dims), self.layers, ctypes.c_void_p(self.final_norm),
-                                        ctypes.byref(b), ctypes.c_void_p(h.data_ptr()),
-                                        ctypes.c_void_p(_ptr(taps))) != 0:
-            raise MemoryError("the native decoder could not allocate its scratch memory")
-        return h, taps
+        return self.run(embeds, cos, sin, pool, batch, (pool.k, pool.v), tap_layers, draft_block=False)

@@ -18,7 +18,7 @@ from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import KVPool
 from blockspec.layers import cpu_quant
 from blockspec.native import q4
-from blockspec.native.decoder import _Batch, _Dims, _Layer, _Weight, _ptr
+from blockspec.native.decoder import NativeStack, _Dims, _Layer, _Weight, _ptr
 
 
 class _ContextBatch(ctypes.Structure):
@@ -35,12 +35,12 @@ class _Q8:
         self.view = _Weight(_ptr(self.w.packed), _ptr(self.w.d), None, _ptr(self.bias), self.w.N, self.w.K, 8)
 
 
-class NativeDraft:
+class NativeDraft(NativeStack):
     """The drafter's weights for draft.c / decoder.c; the model's own parameters are left untouched."""
 
     def __init__(self, model: nn.Module) -> None:
+        super().__init__()
         cfg = model.config
-        self.keep: list[object] = []  # what the C structs point into
         self.layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             att, mlp = layer.self_attn, layer.mlp
@@ -56,11 +56,6 @@ class NativeDraft:
         self.dims = _Dims(cfg.hidden_size, Hq, Hkv, cfg.head_dim, cfg.intermediate_size, len(model.layers),
                           cfg.rms_norm_eps, cfg.head_dim ** -0.5, 1, q4.best_path())
 
-    def _f32(self, w: torch.Tensor) -> int:
-        t = w.detach().float().contiguous()
-        self.keep.append(t)
-        return t.data_ptr()
-
     @staticmethod
     def runs(model: nn.Module) -> bool:
         """Whether draft.c computes this drafter: DFlash 1 (DFlash 2's convolutions and selector are not there),
@@ -75,41 +70,22 @@ class NativeDraft:
                 and all(n % q4.QK == 0 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size))
                 and (cfg.num_key_value_heads * cfg.head_dim) % 8 == 0)
 
-    def _threads(self) -> None:
-        self.dims.threads = torch.get_num_threads()
-
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: PagedBatch
                 ) -> torch.Tensor:
         """h [T, H] (the scaled embeddings of the blocks' rows), cos/sin [T, 1, D], the draft pool and the blocks'
         batch (its kv_lens: each block's start) -> final-normed hidden [T, H]."""
-        T, H = h.shape
-        out = h.float().clone().contiguous()
-        for i in range(len(self.layers)):
-            self.layers[i].k_cache, self.layers[i].v_cache = pool.draft_k[i].data_ptr(), pool.draft_v[i].data_ptr()
-        counts = batch.query_start[1:] - batch.query_start[:-1]
-        row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts.long())
-        keep = [cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous(),
-                batch.positions.to(torch.int64).contiguous(), batch.slot_mapping.to(torch.int64).contiguous(),
-                row_seq, batch.kv_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int64).contiguous(),
-                batch.query_start.to(torch.int32).contiguous()]
-        b = _Batch(T, *(_ptr(t) for t in keep[:7]), keep[6].shape[1], pool.block_size, None, 0, _ptr(keep[7]))
-        self._threads()
-        if q4.library().decoder_forward(ctypes.byref(self.dims), self.layers, ctypes.c_void_p(self.final_norm),
-                                        ctypes.byref(b), ctypes.c_void_p(out.data_ptr()), None) != 0:
-            raise MemoryError("the native drafter could not allocate its scratch memory")
-        return out
+        return self.run(h, cos, sin, pool, batch, (pool.draft_k, pool.draft_v), (), draft_block=True)[0]
 
     def context(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: list[torch.Tensor],
                 pool_v: list[torch.Tensor], slots: torch.Tensor) -> None:
         """taps [T, n_taps * H] of committed rows, their rotary cos/sin [T, 1, D] -> every layer's k / v written
         into pool_k[layer] / pool_v[layer] [slots, Hkv, D] (fp32) at `slots` [T] (-1: skipped)."""
         T = taps.shape[0]
-        for i in range(len(self.layers)):
-            self.layers[i].k_cache, self.layers[i].v_cache = pool_k[i].data_ptr(), pool_v[i].data_ptr()
+        self.bind(pool_k, pool_v)
         keep = [taps.float().contiguous(), cos.reshape(T, -1).float().contiguous(),
                 sin.reshape(T, -1).float().contiguous(), slots.to(torch.int64).contiguous()]
         cb = _ContextBatch(T, keep[0].shape[1] // self.dims.hidden, *(_ptr(t) for t in keep[1:]))
-        self._threads()
+        self.dims.threads = torch.get_num_threads()
         if q4.library().draft_context(ctypes.byref(self.dims), self.layers, ctypes.byref(self.fc.view),
                                       ctypes.c_void_p(self.hidden_norm), ctypes.byref(cb),
                                       ctypes.c_void_p(keep[0].data_ptr())) != 0:
