@@ -14,6 +14,7 @@
 #   [WALK=W: --walk-weight W, the blocks verification visits weigh 1 + W (runs L, M: W = 2, then 4)]
 #   [OPENING=W: --opening-weight W, the blocks in a response's first 64 tokens weigh 1 + W (experimental)]
 #   [PREFIX=P: --prefix-weight P, a slot past the block's first miss weighs 1 - P (runs O, P: P = 0.5, then 1.0)]
+#   [ARCH=dflash2: --arch dflash2, a DFlash 2 drafter; with INIT it upgrades a DFlash 1 drafter (docs/dflash2.md)]
 #   (without INIT: a new LAYERS-layer drafter, [INTERMEDIATE=N: --intermediate-size] [TAPS=1,8,...: its taps])
 # Other targets and device calls of at most 10 minutes:
 #   SHA256=<the GGUF's sha256> (default: the SmolLM2 file's); BATCH=N: --max-batch-size of data generation (512)
@@ -71,6 +72,7 @@ fi
 shape=(--draft-layers "${LAYERS:-3}" --draft-block-size 16 ${INTERMEDIATE:+--intermediate-size "$INTERMEDIATE"}
        ${TAPS:+--target-layer-ids "$TAPS"})
 [ -n "${INIT:-}" ] && shape=(--init "$INIT" ${LAYERS:+--draft-layers "$LAYERS"})
+shape+=(${ARCH:+--arch "$ARCH"})
 resume=""
 [ -f "$WORK/run/checkpoint.pt" ] && resume="--resume"
 $BLOCKSPEC train-draft --target "$GGUF" --data "${data[@]}" --out "$WORK/run" "${shape[@]}" --epochs "${EPOCHS:-6}" \
