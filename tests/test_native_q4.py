@@ -94,3 +94,21 @@ def test_a_q8_heads_row_prefix_is_a_view_computing_the_prefix_alone():
     assert prefix.weights.packed.data_ptr() == head.weights.packed.data_ptr()
     assert torch.equal(prefix(x), cpu_quant.NativeQ8Linear(w[:40], None)(x))
     assert torch.equal(prefix(x), head(x)[:, :40])
+
+
+def test_activation_codes_equal_the_formula():
+    """q8 activations (the AVX2 path where the CPU has it, else the scalar loop): per block of 32, sx = max|x| / 127,
+    codes = x * (127 / max|x|) rounded half to even and clamped to +-127, xs = sx * (the codes' sum), bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=g) * torch.logspace(-3, 3, 7)[:, None]
+    x[2] = 0  # scale 0
+    x[4, :31], x[4, 31] = torch.arange(31) - 15.5, 127  # scale 1: codes on .5 ties, rounded to even
+    qx, sx, xs = q4.quantize_rows(x, 3)
+    blocks = x.view(7, 3, 32)
+    amax = blocks.abs().amax(-1)
+    want_sx = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+    assert torch.equal(sx, want_sx)
+    assert torch.equal(qx.view(7, 3, 32).float(), codes)
+    assert torch.equal(xs, want_sx * codes.sum(-1))

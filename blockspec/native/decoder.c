@@ -70,6 +70,17 @@ static int64_t key_rows(const decoder_dims *dm, const decoder_batch *bt, const l
     return j;
 }
 
+/* out[0..31] = sum over keys j, in order, of p[j] * vs[j][i0 + i]: four vectors stay in registers over all keys
+(out[i] += p v[i] over memory made each key a load and a store per output) */
+static void weigh_values(const float *p, int64_t n, const float **vs, int i0, float *out) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = vs[j] + i0;
+        a0 += p[j] * load8(v), a1 += p[j] * load8(v + 8), a2 += p[j] * load8(v + 16), a3 += p[j] * load8(v + 24);
+    }
+    memcpy(out, &a0, 32), memcpy(out + 8, &a1, 32), memcpy(out + 16, &a2, 32), memcpy(out + 24, &a3, 32);
+}
+
 /* one row and one query head (q rotated) over its keys (key_rows) */
 static void attend(const decoder_dims *dm, const float *q, int64_t n, const float **ks, const float **vs, float *out,
                    float *scores) {
@@ -84,11 +95,9 @@ static void attend(const decoder_dims *dm, const float *q, int64_t n, const floa
     for (int64_t j = 0; j < n; j++) scores[j] = fast_exp(scores[j] - mx);
     for (int64_t j = 0; j < n; j++) acc[j % LANES] += scores[j];
     float inv = 1.0f / sum_lanes(acc);
-    for (int i = 0; i < D; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        float p = scores[j] * inv;
-        for (int i = 0; i < D; i++) out[i] += p * vs[j][i];
-    }
+    for (int64_t j = 0; j < n; j++) scores[j] *= inv;
+    /* out[i] = sum over j in order of p_j v_j[i], a chunk of outputs at a time kept in registers over all keys */
+    for (int i0 = 0; i0 < D; i0 += QK) weigh_values(scores, n, vs, i0, out + i0);
 }
 
 static int tap_index(const decoder_batch *bt, int layer) {

@@ -45,6 +45,15 @@ typedef struct {
     float *sx, *xs;
 } q8_rows;
 
+/* 8 floats as one value: GCC lowers its arithmetic to the widest vectors the build targets (SSE pairs at least) */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 static inline float sum_lanes(const float *acc) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }

@@ -40,8 +40,42 @@ float fp16_to_f32(uint16_t h) {
     return f;
 }
 
+/* the same for one block, on AVX2: |x| max, the codes rounded as lrintf does (the rounding mode's nearest-even), the
+same clamp and an exact integer sum, so the same bits as the scalar loop (which called fmaxf through the PLT 32
+times a block: 12 % of a 4-row stack step) */
+__attribute__((target("avx2,fma"))) static void q8_block_avx2(const float *v, int8_t *q, float *sx, float *xs) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 x[4], m;
+    for (int k = 0; k < 4; k++) x[k] = _mm256_loadu_ps(v + 8 * k);
+    m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs_mask), _mm256_and_ps(x[1], abs_mask)),
+                      _mm256_max_ps(_mm256_and_ps(x[2], abs_mask), _mm256_and_ps(x[3], abs_mask)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(x[k], _mm256_set1_ps(id)));
+        c[k] = _mm256_min_epi32(_mm256_max_epi32(c[k], lo), hi);
+        sum = _mm256_add_epi32(sum, c[k]);
+    }
+    /* packs work within 128-bit halves: the permute puts the 8 groups of 4 codes back in order */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *sx = d;
+    *xs = d * (float)_mm_cvtsi128_si32(s4);
+}
+
 /* n blocks of 32 from x -> their int8 codes qx, scales sx and xs = sx * (the codes' sum) */
 void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        for (int b = 0; b < n; b++) q8_block_avx2(x + b * QK, qx + b * QK, sx + b, xs + b);
+        return;
+    }
     for (int b = 0; b < n; b++) {
         const float *v = x + b * QK;
         int8_t *q = qx + b * QK;
