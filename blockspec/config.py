@@ -15,6 +15,7 @@ METHOD_READERS = {"dflash": "DFlash drafters"}
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_DRAFT_TOKENS = 5  # K without a drafter's block size to derive it from
 AUTO = "auto"  # EngineConfig.draft_len_schedule: measured on this machine (engine/calibrate.py)
+OFF = "off"  # EngineConfig.draft_len_schedule: K throughout, even where the drafter carries a table
 
 
 def _readers(methods: tuple[str, ...]) -> str:
@@ -172,10 +173,10 @@ class EngineConfig:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
-        if self.draft_len_schedule == AUTO:
-            pass  # resolved by the LLM facade once the engine exists (engine/calibrate.py)
+        if self.draft_len_schedule in (AUTO, OFF):
+            pass  # resolved by the engine (OFF) and the LLM facade once the engine exists (AUTO: engine/calibrate.py)
         elif isinstance(self.draft_len_schedule, str):
-            raise ConfigError(f"draft_len_schedule={self.draft_len_schedule!r}: expected {AUTO!r}, None or a "
+            raise ConfigError(f"draft_len_schedule={self.draft_len_schedule!r}: expected {AUTO!r}, {OFF!r}, None or a "
                               f"{{batch: K}} mapping", field="draft_len_schedule")
         elif self.draft_len_schedule is not None:
             sched = {int(k): int(v) for k, v in self.draft_len_schedule.items()}

@@ -77,6 +77,7 @@ def test_the_engine_drafts_as_the_drafters_schedule_says_with_unchanged_output(d
     install_schedule(directory, CPU, {"schedule": {"1": 3, "3": 0}})
     draft = load_draft(SpeculativeConfig(draft_model=str(directory), num_draft_tokens=5), lm)
     assert LLM.from_loaded(lm, draft, draft_len_schedule={1: 2}).engine.config.draft_len_schedule == {1: 2}
+    assert LLM.from_loaded(lm, draft, draft_len_schedule="off").engine.config.draft_len_schedule is None  # K throughout
     spec = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
     assert spec.engine.config.draft_len_schedule == {1: 3, 3: 0}
     prompts = [cycle_seq(CYCLE_A, 0, 6), cycle_seq(CYCLE_B, 2, 9), cycle_seq(CYCLE_A, 3, 5), [3, 50, 21, 7, 44]]

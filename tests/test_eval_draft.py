@@ -28,6 +28,7 @@ from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from blockspec.train.export import save_draft
 from dflash_utils import needs_bf16
+from blockspec.speculative.schedule import SCHEDULE_FILE, device_key
 from trained_pair import BLOCK, CYCLE_A, VOCAB, trained_pair
 
 KEYS = {"dataset", "num_prompts", "mean_acceptance_length", "per_position_acceptance", "tokens_per_second",
@@ -131,6 +132,24 @@ def test_eval_draft_table(pair_dirs, tmp_path, capsys):
     assert report["timing_order"] == ["spec", "plain"] and len(report["runs_time_s"]) == 1
     assert lines[-1] == f"acceptance plot: {tmp_path}/gsm8k-acceptance.png   report: {tmp_path}/gsm8k-report.json"
     assert (tmp_path / "gsm8k-acceptance.png").is_file()
+
+
+def test_eval_draft_drafts_k_throughout_whatever_the_drafters_table(pair_dirs, tmp_path, capsys):
+    """A drafter's recorded draft-length table for this device (K = 0 here: plain steps) does not enter eval-draft:
+    the report is the drafter's acceptance at K, step for step the same as without the table."""
+    target, draft_dir = pair_dirs
+    tabled = Path(shutil.copytree(draft_dir, tmp_path / "tabled"))
+    (tabled / SCHEDULE_FILE).write_text(json.dumps({device_key(torch.device("cpu")): {"schedule": {"1": 0}}}))
+    reports = []
+    for d in (draft_dir, tabled):
+        rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(d), "--dataset", "mtbench",
+                                  "--limit", "2", "--max-tokens", str(MAX_TOKENS), "--repeats", "1",
+                                  "--out-dir", str(tmp_path / d.name), "--json")
+        assert rc == 0, err
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    plain, with_table = reports
+    assert with_table["acceptance_histogram"] == plain["acceptance_histogram"]
+    assert with_table["mean_acceptance_length"] == plain["mean_acceptance_length"] > 1.5
 
 
 def test_divergences_name_each_differing_prompt():

@@ -38,7 +38,7 @@ export TRAIN_TOKENS=${TRAIN_TOKENS:-9000000} TIME_LIMIT=${TIME_LIMIT:-5} COMPILE
 if [ "$STAGE" != train ]; then STAGE=data tools/train_bundled_drafter.sh; fi
 [ "$STAGE" = data ] && exit 0
 t0=$SECONDS
-STAGE=train tools/train_bundled_drafter.sh
+BACK= STAGE=train tools/train_bundled_drafter.sh  # BACK here is this script's (no weight parts)
 echo "training: $((SECONDS - t0)) s"
 
 evaluate() {  # drafter name, drafter dir, dataset, mode, flags

@@ -10,7 +10,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Iterable
 
 from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given, name_the_flag
-from blockspec.config import AUTO, EngineConfig, SpeculativeConfig
+from blockspec.config import AUTO, OFF, EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.sampling import SamplingParams  # no torch: it imports torch where it samples
 
@@ -179,10 +179,10 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_schedule(text: str) -> dict[int, int] | str | None:
-    """"1:15,16:7" -> {1: 15, 16: 7}; "auto" (measured on this machine) as is; "off" -> None (no schedule: K
-    throughout, or the drafter's own table for this device). The values are checked by EngineConfig."""
-    if text.strip() in (AUTO, "off"):
-        return AUTO if text.strip() == AUTO else None
+    """"1:15,16:7" -> {1: 15, 16: 7}; "auto" (measured on this machine) and "off" (K throughout, even where the
+    drafter carries a table for this device) as they are. The values are checked by EngineConfig."""
+    if text.strip() in (AUTO, OFF):
+        return text.strip()
     try:
         return {int(b): int(k) for b, k in (item.split(":") for item in text.split(",") if item.strip())}
     except ValueError:

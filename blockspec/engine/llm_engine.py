@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Callable
 
 from blockspec.attention.backends import get_backend
-from blockspec.config import AUTO, EngineConfig
+from blockspec.config import AUTO, OFF, EngineConfig
 from blockspec.engine.model_runner import ModelRunner, Pending
 from blockspec.engine.observer import StepObserver
 from blockspec.engine.outputs import FinishReason, Record, RequestOutput, StepTrace
@@ -66,6 +66,8 @@ class LLMEngine:
             # is measured by the LLM facade once this engine exists (engine/calibrate.py)
             schedule = proposer.default_draft_len_schedule(param.device) if proposer is not None else None
             config = replace(config, draft_len_schedule=schedule)
+        elif config.draft_len_schedule == OFF:
+            config = replace(config, draft_len_schedule=None)
         self.config = config
         runner = build_runner(lm, proposer, config, acceptance or TargetAcceptance())
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
