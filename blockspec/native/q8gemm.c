@@ -17,6 +17,7 @@ under 2 * 128 * 127). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 32
@@ -60,7 +61,6 @@ static void group_scalar(const int8_t *packed, const uint16_t *d, int K, const i
 #define DOT_AVX2(acc, w, x) \
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8((x), (w))), \
                                               _mm256_set1_epi16(1)))
-#define DOT_VNNI(acc, w, x) _mm256_dpbusd_epi32((acc), _mm256_abs_epi8(w), _mm256_sign_epi8((x), (w)))
 
 #define GROUP8_SIMD(NAME, TARGET, DOT, MR)                                                                          \
     __attribute__((target(TARGET))) static void NAME(const int8_t *packed, const uint16_t *d, int K,               \
@@ -92,16 +92,53 @@ static void group_scalar(const int8_t *packed, const uint16_t *d, int K, const i
 #define VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 GROUP8_SIMD(g8_avx2_1, AVX2, DOT_AVX2, 1)
 GROUP8_SIMD(g8_avx2_2, AVX2, DOT_AVX2, 2)
-GROUP8_SIMD(g8_vnni_1, VNNI, DOT_VNNI, 1)
-GROUP8_SIMD(g8_vnni_4, VNNI, DOT_VNNI, 4)
+
+/* VNNI: the activations offset to unsigned bytes (x + 128, stored as x ^ 0x80 once per call) against the signed
+weights as they are, and the offset's share, 128 * (each output's block weight sum, from the same chunks against 128
+in every byte), taken back per block: the same int32 block sums as |w| x sign(x, w) without a vpsignb per chunk and
+row (the heads' 4-row verify and 3-row draft calls run here) */
+#define GROUP8_VNNI(NAME, MR)                                                                                        \
+    __attribute__((target(VNNI))) static void NAME(const int8_t *packed, const uint16_t *d, int K,                \
+                                                   const uint8_t *xu, const float *sx, int r0, float *y, int N,   \
+                                                   int g) {                                                       \
+        int KB = K / QK;                                                                                           \
+        const __m256i off = _mm256_set1_epi8((char)0x80);                                                          \
+        __m256 acc[MR];                                                                                            \
+        for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();                                                 \
+        for (int b = 0; b < KB; b++) {                                                                             \
+            const int8_t *blk = packed + ((size_t)g * KB + b) * 8 * NG * 4;                                        \
+            __m256i w[8], c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();                                \
+            for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(blk + c * NG * 4));           \
+            for (int c = 0; c < 8; c += 2) {                                                                       \
+                c0 = _mm256_dpbusd_epi32(c0, off, w[c]);                                                           \
+                c1 = _mm256_dpbusd_epi32(c1, off, w[c + 1]);                                                       \
+            }                                                                                                      \
+            __m256i corr = _mm256_add_epi32(c0, c1);                                                               \
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + ((size_t)g * KB + b) * NG)));        \
+            for (int r = 0; r < MR; r++) {                                                                         \
+                const uint8_t *q = xu + (size_t)(r0 + r) * K + b * QK;                                             \
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                  \
+                for (int c = 0; c < 8; c += 2) {                                                                   \
+                    s0 = _mm256_dpbusd_epi32(s0, BCAST(q, 4 * c), w[c]);                                           \
+                    s1 = _mm256_dpbusd_epi32(s1, BCAST(q, 4 * c + 4), w[c + 1]);                                   \
+                }                                                                                                  \
+                __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), corr);                                    \
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[(size_t)(r0 + r) * KB + b]));                   \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * N + g * NG, acc[r]);                  \
+    }
+GROUP8_VNNI(g8_vnni_1, 1)
+GROUP8_VNNI(g8_vnni_4, 4)
 
 /* one output group for every row, rows in tiles of 4 (VNNI) / 2 (AVX2) / 1 (the results do not depend on it) */
-static void group(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const float *sx, int M, float *y,
-                  int N, int g, int path) {
+static void group(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const uint8_t *xu, const float *sx,
+                  int M, float *y, int N, int g, int path) {
     int r0 = 0;
     if (path >= 2) {
-        for (; r0 + 4 <= M; r0 += 4) g8_vnni_4(packed, d, K, qx, sx, r0, y, N, g);
-        for (; r0 < M; r0++) g8_vnni_1(packed, d, K, qx, sx, r0, y, N, g);
+        for (; r0 + 4 <= M; r0 += 4) g8_vnni_4(packed, d, K, xu, sx, r0, y, N, g);
+        for (; r0 < M; r0++) g8_vnni_1(packed, d, K, xu, sx, r0, y, N, g);
     } else if (path == 1) {
         for (; r0 + 2 <= M; r0 += 2) g8_avx2_2(packed, d, K, qx, sx, r0, y, N, g);
         for (; r0 < M; r0++) g8_avx2_1(packed, d, K, qx, sx, r0, y, N, g);
@@ -117,7 +154,16 @@ void q8_gemm_groups(const int8_t *packed, const uint16_t *d, int N, int K, const
     if (path == 3 && M >= AMX_MIN_ROWS) /* pairs of groups in tiles of up to 16 rows (amx.c); an odd last group on VNNI */
         for (; g + 2 <= g1; g += 2)
             for (int r0 = 0; r0 < M; r0 += 16) q8_pair_amx(packed, d, K, qx, sx, r0, M - r0 < 16 ? M - r0 : 16, y, N, g);
-    for (; g < g1; g++) group(packed, d, K, qx, sx, M, y, N, g, path);
+    if (g >= g1) return;
+    uint8_t stack[4096], *xu = NULL; /* the VNNI loops' unsigned activations (a few kB: a head's rows, a 16-row block) */
+    if (path >= 2) {
+        size_t n = (size_t)M * K;
+        xu = n <= sizeof stack ? stack : malloc(n);
+        if (xu == NULL) path = 1; /* no memory for the copy: the AVX2 loops give the same bits */
+        for (size_t i = 0; xu && i < n; i++) xu[i] = (uint8_t)qx[i] ^ 0x80;
+    }
+    for (; g < g1; g++) group(packed, d, K, qx, xu, sx, M, y, N, g, path);
+    if (xu != stack) free(xu);
 }
 
 /* y [M, N] = the rows of qx against the N int8 weight rows; output groups split over `threads` (OpenMP) */
