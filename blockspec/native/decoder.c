@@ -96,7 +96,6 @@ static void attend(const decoder_dims *dm, const float *q, int64_t n, const floa
     for (int64_t j = 0; j < n; j++) acc[j % LANES] += scores[j];
     float inv = 1.0f / sum_lanes(acc);
     for (int64_t j = 0; j < n; j++) scores[j] *= inv;
-    /* out[i] = sum over j in order of p_j v_j[i], a chunk of outputs at a time kept in registers over all keys */
     for (int i0 = 0; i0 < D; i0 += QK) weigh_values(scores, n, vs, i0, out + i0);
 }
 
