@@ -6,7 +6,9 @@
 # Sized for two device calls of at most 10 minutes on one H100/H200 (STAGE=data, then STAGE=train; WORK must survive
 # between them, i.e. back to back on a warm machine). Knobs: N requests sampled (16,000: half general, a quarter
 # "Write a Python function that", an eighth each "Explain" and "Solve"), TRAIN_TOKENS (9 M, run P's epoch), LR
-# (1.5e-4), TIME_LIMIT (minutes of training, 5), GEN_TOKENS (256), EVAL_LIMIT (all prompts), COMPILE (1).
+# (1.5e-4), TIME_LIMIT (minutes of training, 5), GEN_TOKENS (256), GEN_SECONDS (draft-data's limit per prompt file),
+# EVAL_LIMIT (all prompts), COMPILE (1). The H100 run of docs/dflash2.md: STAGE=data N=8000 GEN_SECONDS=60, then
+# STAGE=train TRAIN_TOKENS=5700000 TIME_LIMIT=4.5 (149 s and 563 s).
 # The tau table goes to WORK/out/eval-<drafter>-<set>-<mode>.json (fp32 and bf16 --batch-invariant: the modes whose
 # outputs equal plain decoding); BACK=DIR gets run.tgz: WORK/out without the weights (83.6 MB in bf16, 50 MB of them
 # the selector's two 49,152 x 256 codebooks: more than one device call brings back) and their sha256.
