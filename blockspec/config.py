@@ -152,7 +152,8 @@ class EngineConfig:
     overlap: bool = field(default=True, metadata={"flag": "--no-overlap",
                                                   "help": "do not overlap the host's work with the GPU's decode steps"})
     # None: the drafter's recorded table for this device (speculative/schedule.py), else K throughout. "auto" (the
-    # commands' and the LLM facade's default): that table, else measured on this machine (engine/calibrate.py)
+    # commands' and the LLM facade's default): that table, else measured on this machine (engine/calibrate.py). "off":
+    # K throughout, table or not (eval-draft: a drafter's acceptance at K)
     draft_len_schedule: dict[int, int] | str | None = field(default=None, metadata={
         "metavar": "auto|off|B:K,...",
         "help": "draft length by batch size, e.g. 1:15,16:7,64:3 (K of the largest B <= the running batch); auto "
