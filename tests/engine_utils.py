@@ -108,6 +108,19 @@ class Run:
         return [self.final[i] for i in ids]
 
 
+def one_device_and_tp2(lm, draft, prompts, params) -> tuple[list, list]:
+    """(token ids, acceptance lengths) of each prompt through one device (the loaded pair) and through
+    LLM(tensor_parallel_size=2) on the CPU (gloo ranks loading the same target and drafter directories)."""
+    want = [(o.token_ids, o.acceptance_lengths)
+            for o in LLM.from_loaded(lm, draft).generate(prompts, params, use_tqdm=False)]
+    tp = LLM(str(lm.source.path), {"draft_model": str(draft.source)}, device="cpu", tensor_parallel_size=2)
+    try:
+        got = [(o.token_ids, o.acceptance_lengths) for o in tp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        tp.close()
+    return want, got
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **kw)
 

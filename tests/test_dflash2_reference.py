@@ -21,7 +21,7 @@ from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.sampling import SamplingParams
 from dflash_utils import make_zlab_draft2
-from engine_utils import Run, spec_consistency
+from engine_utils import Run, one_device_and_tp2, spec_consistency
 from hf_utils import make_hf_model, save_hf_model
 
 zm = pytest.importorskip("dflash.model")
@@ -388,13 +388,6 @@ def test_tensor_parallel_2_equals_one_device(trained2):
 
     lm, _, _, draft = trained2
     prompts = [cycle_seq((CYCLE_A, CYCLE_B)[i % 2], 2 * i, 6 + 5 * i) for i in range(3)]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    want = [(o.token_ids, o.acceptance_lengths)
-            for o in LLM.from_loaded(lm, draft).generate(prompts, params, use_tqdm=False)]
-    tp = LLM(str(lm.source.path), {"draft_model": str(draft.source)}, device="cpu", tensor_parallel_size=2)
-    try:
-        got = [(o.token_ids, o.acceptance_lengths) for o in tp.generate(prompts, params, use_tqdm=False)]
-    finally:
-        tp.close()
+    want, got = one_device_and_tp2(lm, draft, prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     assert got == want
     assert max(max(a) for _, a in want) > 2  # the selector's drafts were accepted

@@ -25,7 +25,7 @@ from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.ngram import NgramProposer
 from dflash_utils import make_zlab_draft
-from engine_utils import assert_equal_plain, spec_consistency
+from engine_utils import assert_equal_plain, one_device_and_tp2, spec_consistency
 from errors_utils import run_cli
 from moe_utils import (VOCAB, assert_matches_transformers, make_hf_moe, moe_block, prefill_decode,
                        quantize_experts, save_moe, write_moe_gguf)
@@ -224,14 +224,7 @@ def test_engine_tp2_with_a_drafter_equals_one_device(moe_pair):
     device (the ranks load, shard and route on their own)."""
     lm, draft = moe_pair
     prompts = [[5, 9, 33, 2], [70, 2, 11], [41]]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    want = [(o.token_ids, o.acceptance_lengths)
-            for o in LLM.from_loaded(lm, draft).generate(prompts, params, use_tqdm=False)]
-    tp = LLM(str(lm.source.path), {"draft_model": str(draft.source)}, device="cpu", tensor_parallel_size=2)
-    try:
-        got = [(o.token_ids, o.acceptance_lengths) for o in tp.generate(prompts, params, use_tqdm=False)]
-    finally:
-        tp.close()
+    want, got = one_device_and_tp2(lm, draft, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert got == want
 
 

@@ -9,9 +9,9 @@ so rows, threads and paths give the same bits, as in q4gemm.c. torch's int8 matm
 multiplies bf16-rounded activations: compute-bound, each further row costs nearly a full pass over the head.
 
 Layout: outputs in groups of 8; per (group, block) eight 32-byte chunks, chunk c holding 4 codes (inputs 4c..4c+3)
-of each of the 8 outputs; d stored [group][block][8]. A chunk against 4 activation bytes broadcast to every lane:
-|w| times x with w's sign, an unsigned x signed multiply-add that cannot saturate (AVX2's pairwise 16-bit sums stay
-under 2 * 128 * 127). */
+of each of the 8 outputs; d stored [group][block][8]. A chunk against 4 activation bytes broadcast to every lane, an
+unsigned x signed multiply-add: on AVX2 |w| times x with w's sign (its pairwise 16-bit sums stay under 2 * 128 * 127,
+no saturation), on VNNI x + 128 times w with 128 x the weights' sum taken back (GROUP8_VNNI). */
 
 #include <immintrin.h>
 #include <math.h>
