@@ -291,8 +291,10 @@ def test_convolution_is_causal_inside_each_block_only():
                     w = conv.base_kernel[side, o].detach() + d[b, j, side, o].repeat_interleave(g)
                     want[b, j] += w * xb[b, j - o]
         torch.testing.assert_close(got.view(blocks, rows, H), want, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():  # each block alone gives the same rows as the batch of blocks
-        torch.testing.assert_close(conv.prepare(x[rows:2 * rows], rows)[0], pre[rows:2 * rows], rtol=0, atol=0)
+    # each block alone gives the rows of the batch of blocks: a leak between blocks would move them by O(1); the
+    # kernel projection's GEMM may round differently for 3 rows than for 12 (MKL picks kernels by M), hence 1e-5
+    with torch.no_grad():
+        torch.testing.assert_close(conv.prepare(x[rows:2 * rows], rows)[0], pre[rows:2 * rows], rtol=1e-5, atol=1e-5)
 
 
 def test_draft_pass_and_selector_read_nothing_back_to_the_host():
