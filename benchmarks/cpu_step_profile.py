@@ -24,6 +24,8 @@ from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.models import decoder
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.native.draft import NativeDraft
 from blockspec.speculative.dflash import DFlashProposer
 from blockspec.sampling import SamplingParams
 
@@ -93,6 +95,8 @@ PARTS_TIMED = [("target forward", decoder.DecoderForCausalLM, "forward"),
                ("  MLPs", decoder.MLP, "forward"),
                ("  head", decoder.DecoderForCausalLM, "compute_logits"),
                ("draft pass (propose)", DFlashProposer, "propose"),
+               ("  native drafter stack", NativeDraft, "forward"),
+               ("  draft head (argmax)", DFlashDraftModel, "greedy_drafts"),
                ("draft context append", DFlashProposer, "append_context")]
 
 

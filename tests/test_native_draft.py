@@ -125,6 +125,30 @@ def test_a_block_is_the_same_alone_and_beside_another_at_any_thread_count(pair):
         torch.set_num_threads(before)
 
 
+def test_a_last_layer_of_the_read_rows_only_gives_those_rows_bit_for_bit(pair):
+    """outputs=(a, b): rows a..b-1 of each block as the full pass computes them, zeros elsewhere, at any threads."""
+    _, draft, _ = pair
+    embeds = torch.randn(2 * ROWS, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(8))
+    pool = new_pool(draft)
+    fill_context(draft.model, pool, TABLE_A, 11, seed=5)
+    fill_context(draft.model, pool, TABLE_B, 3, seed=6)
+    runs = [(TABLE_A, 11, 0), (TABLE_B, 3, ROWS)]
+    full = blocks(draft.model, pool, runs, embeds).view(2, ROWS, -1)
+    before = torch.get_num_threads()
+    try:
+        for threads, (a, b) in [(1, (1, 4)), (2, (1, 4)), (2, (0, ROWS)), (2, (5, 6))]:
+            torch.set_num_threads(threads)
+            pos = torch.cat([torch.arange(s, s + ROWS) for _, s, _ in runs])
+            batch = PagedBatch(pos, torch.full_like(pos, -1), torch.tensor([0, ROWS, 2 * ROWS], dtype=torch.int32),
+                               torch.tensor([11, 3], dtype=torch.int32), torch.tensor([TABLE_A, TABLE_B]), ROWS)
+            with torch.no_grad():
+                got = draft.model(embeds, pos, PagedDraftAttention(pool, batch), ROWS, outputs=(a, b)).view(2, ROWS, -1)
+            assert torch.equal(got[:, a:b], full[:, a:b]), (threads, a, b)
+            assert not got[:, :a].any() and not got[:, b:].any()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_greedy_dflash_through_the_native_drafter_equals_plain_decoding(pair, monkeypatch):
     lm, draft, _ = pair
     calls = {"forward": 0, "context": 0}

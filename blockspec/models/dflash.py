@@ -131,15 +131,17 @@ class DFlashDraftModel(nn.Module):
         return self.context_proj(ctx, cos, sin, [a.qkv_proj for a in attns], [a.k_norm for a in attns], paged)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: DraftAttentionFn,
-                rows: int | None = None) -> torch.Tensor:
+                rows: int | None = None, outputs: tuple[int, int] | None = None) -> torch.Tensor:
         """embeds [T, H] (raw target embeddings of T / rows blocks of `rows` rows each; None: T rows of one block or
-        of blocks whose bounds the layers need not know; scaled here), positions [T] -> final-normed [T, H]."""
+        of blocks whose bounds the layers need not know; scaled here), positions [T] -> final-normed [T, H].
+        outputs (a, b): the caller reads rows a..b-1 of each block only; the native drafter then skips the other
+        rows' last-layer attention and MLP and returns zeros there (the torch layers compute every row)."""
         embeds = self.input_cast(embeds)
         h = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         paged = getattr(attn, "native_paged", None) if self.native is not None else None
         if paged is not None:
-            return self.native.forward(h, cos, sin, *paged)
+            return self.native.forward(h, cos, sin, *paged, outputs=outputs)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, attn, rows or h.shape[0])

@@ -17,6 +17,9 @@ plain decoding of the same model. Built with -ffp-contract=off so the compiler n
 and not another; the SIMD sums keep 8 fixed lanes. */
 
 #include <omp.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "native.h"
 
@@ -32,6 +35,8 @@ typedef struct {
     const int32_t *tap_layers; /* [n_taps]: the stream after these layers (the last: the final-normed output) */
     int n_taps;
     const int32_t *query_start; /* [B + 1]: a draft block's rows (NULL: target rows, causal over the pool) */
+    const int32_t *last_rows;   /* [n_last] ascending: the rows whose output is read (NULL: all); see layer() */
+    int n_last;
 } decoder_batch;
 
 /* what each thread keeps to itself: its copy of the residual stream and of the row-wise work */
@@ -70,33 +75,57 @@ static int64_t key_rows(const decoder_dims *dm, const decoder_batch *bt, const l
     return j;
 }
 
-/* out[0..31] = sum over keys j, in order, of p[j] * vs[j][i0 + i]: four vectors stay in registers over all keys
-(out[i] += p v[i] over memory made each key a load and a store per output) */
-static void weigh_values(const float *p, int64_t n, const float **vs, int i0, float *out) {
-    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t j = 0; j < n; j++) {
-        const float *v = vs[j] + i0;
-        a0 += p[j] * load8(v), a1 += p[j] * load8(v + 8), a2 += p[j] * load8(v + 16), a3 += p[j] * load8(v + 24);
+/* out[0..D-1] = sum over keys j, in order, of p[j] * vs[j][i]: eight vectors (64 dims) stay in registers over all
+keys, so p[j] and vs[j] are read once per 64 dims (out[i] += p v[i] over memory made each key a load and a store) */
+static void weigh_values(const float *p, int64_t n, const float **vs, int D, float *out) {
+    for (int i0 = 0; i0 < D; i0 += 2 * QK) {
+        int wide = D - i0 >= 2 * QK; /* a head of 32 dims (or an odd last 32) takes the first four only */
+        v8f a[8] = {{0}};
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = vs[j] + i0;
+            for (int c = 0; c < 4; c++) a[c] += p[j] * load8(v + 8 * c);
+            if (wide)
+                for (int c = 4; c < 8; c++) a[c] += p[j] * load8(v + 8 * c);
+        }
+        memcpy(out + i0, a, (wide ? 64 : 32) * sizeof(float));
     }
-    memcpy(out, &a0, 32), memcpy(out + 8, &a1, 32), memcpy(out + 16, &a2, 32), memcpy(out + 24, &a3, 32);
+}
+
+/* scores[j] = dot(q, ks[j], D) * scale for every key. Eight keys at a time on AVX: each key's 8 lane sums accumulate
+as dot() does (an independent chain per key, where dot() made each key wait for the last), then hadd sums the lanes
+of the eight keys in sum_lanes' order ((0+1)+(2+3))+((4+5)+(6+7)): the same bits as dot(), several times faster. */
+static void key_scores(const float *q, int64_t n, const float **ks, int D, float scale, float *scores) {
+    int64_t j = 0;
+#if defined(__AVX__)
+    for (; j + 8 <= n; j += 8) {
+        __m256 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += LANES) {
+            __m256 qi = _mm256_loadu_ps(q + i);
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qi, _mm256_loadu_ps(ks[j + k] + i)));
+        }
+        __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+        __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+        _mm256_storeu_ps(scores + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+    }
+#endif
+    for (; j < n; j++) scores[j] = dot(q, ks[j], D) * scale;
 }
 
 /* one row and one query head (q rotated) over its keys (key_rows) */
 static void attend(const decoder_dims *dm, const float *q, int64_t n, const float **ks, const float **vs, float *out,
                    float *scores) {
-    int D = dm->head_dim;
+    key_scores(q, n, ks, dm->head_dim, dm->scale, scores);
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        scores[j] = dot(q, ks[j], D) * dm->scale;
-        mx = scores[j] > mx ? scores[j] : mx;
-    }
+    for (int64_t j = 0; j < n; j++) mx = scores[j] > mx ? scores[j] : mx;
     float acc[LANES] = {0};
 #pragma omp simd
     for (int64_t j = 0; j < n; j++) scores[j] = fast_exp(scores[j] - mx);
     for (int64_t j = 0; j < n; j++) acc[j % LANES] += scores[j];
     float inv = 1.0f / sum_lanes(acc);
     for (int64_t j = 0; j < n; j++) scores[j] *= inv;
-    for (int i0 = 0; i0 < D; i0 += QK) weigh_values(scores, n, vs, i0, out + i0);
+    weigh_values(scores, n, vs, dm->head_dim, out);
 }
 
 static int tap_index(const decoder_batch *bt, int layer) {
@@ -127,8 +156,12 @@ static void store_kv(const decoder_dims *dm, const decoder_batch *bt, const laye
     }
 }
 
+/* rows: NULL, or (the last layer of a draft block, whose caller reads a few rows: DFlash's K drafts of 16) the
+rows past which nothing is needed: every row's k / v are still stored (the kept rows attend to them), then the kept
+rows move to the front of the residual stream and attention, o and the MLP run for them alone. Each kept row is
+computed exactly as in a full pass (rows never mix). */
 static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const shared_buffers *sh,
-                  const private_buffers *pv, int tid, int nth) {
+                  const private_buffers *pv, int tid, int nth, const int32_t *rows, int n_rows) {
     int T = bt->T, H = dm->hidden, D = dm->head_dim, I = dm->intermediate, QKV = lw->qkv.N, a, b;
     for (int t = 0; t < T; t++) rms_norm(pv->h + (size_t)t * H, lw->input_norm, H, dm->eps, pv->x + (size_t)t * H);
     quantize(pv->x, T, H, &pv->in);
@@ -136,12 +169,16 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
 #pragma omp barrier
     share(T, tid, nth, &a, &b);
     store_kv(dm, bt, lw, sh, a, b, pv->q);
+    if (rows) { /* each thread its own copy of the stream; rows ascend, so row r never overwrites a later one */
+        for (int r = 0; r < n_rows; r++) memmove(pv->h + (size_t)r * H, pv->h + (size_t)rows[r] * H, sizeof(float) * H);
+        T = n_rows;
+    }
 #pragma omp barrier
     share(T * dm->heads, tid, nth, &a, &b);
     int key_row = -1, key_head = -1;
     int64_t n_keys = 0;
     for (int p = a; p < b; p++) { /* rows of a sequence see each other's keys: all were stored above */
-        int t = p / dm->heads, hq = p % dm->heads;
+        int r = p / dm->heads, hq = p % dm->heads, t = rows ? rows[r] : r;
         memcpy(pv->q, sh->qkv + (size_t)t * QKV + (size_t)hq * D, D * sizeof(float));
         if (lw->q_norm) rms_norm(pv->q, lw->q_norm, D, dm->eps, pv->q);
         rotary(pv->q, bt->cos + (size_t)t * D, bt->sin + (size_t)t * D, D);
@@ -149,7 +186,7 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
         if (t != key_row || kvh != key_head) /* a row's heads sharing a kv head share its key list */
             n_keys = key_rows(dm, bt, lw, sh, t, kvh, pv->ks, pv->vs), key_row = t, key_head = kvh;
         attend(dm, pv->q, n_keys, pv->ks, pv->vs, pv->x, pv->scores);
-        size_t blk = (size_t)p * (D / QK); /* a head is whole blocks of 32 (NativeDecoder.runs checks D) */
+        size_t blk = (size_t)p * (D / QK); /* row r's heads: a head is whole blocks of 32 (NativeDecoder.runs) */
         q8_quantize_blocks(pv->x, D / QK, sh->att.q + blk * QK, sh->att.sx + blk, sh->att.xs + blk);
     }
 #pragma omp barrier
@@ -175,18 +212,20 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
 /* one thread's whole forward over the replicated stream (`h`: the embeddings in); thread 0 writes the results */
 static void run(const decoder_dims *dm, const layer_weights *lws, const float *final_norm, const decoder_batch *bt,
                 const shared_buffers *sh, const private_buffers *pv, int tid, int nth, float *out, float *taps) {
-    int T = bt->T, H = dm->hidden;
+    int T = bt->T, H = dm->hidden, last = dm->layers - 1;
     for (int l = 0; l < dm->layers; l++) {
-        layer(dm, bt, lws + l, sh, pv, tid, nth);
+        layer(dm, bt, lws + l, sh, pv, tid, nth, l == last ? bt->last_rows : NULL, bt->n_last);
         int k = l < dm->layers - 1 ? tap_index(bt, l) : -1;
         if (k >= 0 && tid == 0)
             for (int t = 0; t < T; t++)
                 memcpy(taps + ((size_t)t * bt->n_taps + k) * H, pv->h + (size_t)t * H, sizeof(float) * H);
     }
     if (tid != 0) return;
-    int k = tap_index(bt, dm->layers - 1);
-    for (int t = 0; t < T; t++) {
-        rms_norm(pv->h + (size_t)t * H, final_norm, H, dm->eps, out + (size_t)t * H);
+    int k = tap_index(bt, last), R = bt->last_rows ? bt->n_last : T;
+    if (bt->last_rows) memset(out, 0, sizeof(float) * T * H); /* rows nobody reads: zeros, not stale inputs */
+    for (int r = 0; r < R; r++) {
+        int t = bt->last_rows ? bt->last_rows[r] : r;
+        rms_norm(pv->h + (size_t)r * H, final_norm, H, dm->eps, out + (size_t)t * H);
         if (k >= 0) memcpy(taps + ((size_t)t * bt->n_taps + k) * H, out + (size_t)t * H, sizeof(float) * H);
     }
 }

@@ -44,7 +44,7 @@ class _Batch(ctypes.Structure):
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p), ("row_seq", ctypes.c_void_p),
                 ("kv_lens", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int),
                 ("block_size", ctypes.c_int), ("tap_layers", ctypes.c_void_p), ("n_taps", ctypes.c_int),
-                ("query_start", ctypes.c_void_p)]
+                ("query_start", ctypes.c_void_p), ("last_rows", ctypes.c_void_p), ("n_last", ctypes.c_int)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -81,13 +81,16 @@ class NativeStack:
             self.layers[i].k_cache, self.layers[i].v_cache = k_caches[i].data_ptr(), v_caches[i].data_ptr()
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: PagedBatch,
-            caches: tuple[torch.Tensor, torch.Tensor], tap_layers: Sequence[int], draft_block: bool
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            caches: tuple[torch.Tensor, torch.Tensor], tap_layers: Sequence[int], draft_block: bool,
+            last_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, H] in, cos/sin [T, 1, D], the layers' caches in `pool` -> (final-normed hidden [T, H], taps
         [T, len(tap_layers) * H] or None). draft_block: the batch's rows are draft blocks (each row sees its
         sequence's kv_len cached keys and its whole block, whose k/v are not stored); else target rows, stored at
-        their slots and causal over the pool."""
+        their slots and causal over the pool. last_rows [n] (ascending, no taps): only these rows' outputs are
+        computed through the last layer's attention and MLP; the other rows of the result are zeros."""
         T, H = x.shape
+        if last_rows is not None and tap_layers:
+            raise ValueError("last_rows leaves rows out of the last layer, whose output a tap would read")
         h = x.float().clone().contiguous()
         taps = torch.empty(T, len(tap_layers) * H) if tap_layers else None
         self.bind(*caches)
@@ -96,9 +99,11 @@ class NativeStack:
         keep = [cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous(),
                 batch.positions.to(torch.int64).contiguous(), batch.slot_mapping.to(torch.int64).contiguous(),
                 row_seq, batch.kv_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int64).contiguous(),
-                torch.tensor(list(tap_layers), dtype=torch.int32), batch.query_start.to(torch.int32).contiguous()]
+                torch.tensor(list(tap_layers), dtype=torch.int32), batch.query_start.to(torch.int32).contiguous(),
+                None if last_rows is None else last_rows.to(torch.int32).contiguous()]
         b = _Batch(T, *(_ptr(t) for t in keep[:7]), keep[6].shape[1], pool.block_size, _ptr(keep[7]),
-                   len(tap_layers), _ptr(keep[8]) if draft_block else None)
+                   len(tap_layers), _ptr(keep[8]) if draft_block else None, _ptr(keep[9]),
+                   0 if last_rows is None else len(last_rows))
         self.dims.threads = torch.get_num_threads()
         if q4.library().decoder_forward(ctypes.byref(self.dims), self.layers, ctypes.c_void_p(self.final_norm),
                                         ctypes.byref(b), ctypes.c_void_p(h.data_ptr()),

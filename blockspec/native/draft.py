@@ -70,11 +70,16 @@ class NativeDraft(NativeStack):
                 and all(n % q4.QK == 0 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size))
                 and (cfg.num_key_value_heads * cfg.head_dim) % 8 == 0)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: PagedBatch
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, batch: PagedBatch,
+                outputs: tuple[int, int] | None = None) -> torch.Tensor:
         """h [T, H] (the scaled embeddings of the blocks' rows), cos/sin [T, 1, D], the draft pool and the blocks'
-        batch (its kv_lens: each block's start) -> final-normed hidden [T, H]."""
-        return self.run(h, cos, sin, pool, batch, (pool.draft_k, pool.draft_v), (), draft_block=True)[0]
+        batch (its kv_lens: each block's start) -> final-normed hidden [T, H]; outputs (a, b): only rows a..b-1 of
+        each block are computed through the last layer (a K = 3 step reads 3 of 16), the others are zeros."""
+        last_rows = None
+        if outputs is not None:
+            last_rows = (batch.query_start[:-1, None].long() + torch.arange(*outputs)).flatten()
+        return self.run(h, cos, sin, pool, batch, (pool.draft_k, pool.draft_v), (), draft_block=True,
+                        last_rows=last_rows)[0]
 
     def context(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: list[torch.Tensor],
                 pool_v: list[torch.Tensor], slots: torch.Tensor) -> None:

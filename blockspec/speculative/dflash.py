@@ -64,7 +64,8 @@ class DFlashProposer(Proposer):
         # the block's own k/v are never stored (slots -1); it sees the context at positions < start
         paged = PagedBatch(pos, torch.full_like(pos, -1), batch.query_start, batch.start.int(), batch.block_tables,
                            R, batch.max_kv_len)
-        hidden = model(target.embed_tokens(ids.flatten()), pos, models.backend.draft(models.pool, paged), R)
+        hidden = model(target.embed_tokens(ids.flatten()), pos, models.backend.draft(models.pool, paged), R,
+                       outputs=(1, K + 1))
         hidden = hidden.view(B, R, -1)[:, 1:K + 1]
         if want_logits and isinstance(model, DFlash2DraftModel):
             # DFlash 2 draws its drafts itself (each pick conditions the next): q is over the selector's candidates
