@@ -75,6 +75,14 @@ static int64_t key_rows(const decoder_dims *dm, const decoder_batch *bt, const l
     return j;
 }
 
+/* The pool's keys and values are scattered over its blocks and, between two steps, pushed out of the caches by the
+weights streaming through: without a prefetch every key waits for memory (at 200 keys attention grew a 4-row step
+by ~40 %). key_scores requests the lines of each key's k and v AHEAD keys before it reaches them. */
+#define AHEAD 16
+static inline void fetch(const float *row, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(row + i);
+}
+
 /* out[0..D-1] = sum over keys j, in order, of p[j] * vs[j][i]: eight vectors (64 dims) stay in registers over all
 keys, so p[j] and vs[j] are read once per 64 dims (out[i] += p v[i] over memory made each key a load and a store) */
 static void weigh_values(const float *p, int64_t n, const float **vs, int D, float *out) {
@@ -94,10 +102,13 @@ static void weigh_values(const float *p, int64_t n, const float **vs, int D, flo
 /* scores[j] = dot(q, ks[j], D) * scale for every key. Eight keys at a time on AVX: each key's 8 lane sums accumulate
 as dot() does (an independent chain per key, where dot() made each key wait for the last), then hadd sums the lanes
 of the eight keys in sum_lanes' order ((0+1)+(2+3))+((4+5)+(6+7)): the same bits as dot(), several times faster. */
-static void key_scores(const float *q, int64_t n, const float **ks, int D, float scale, float *scores) {
+static void key_scores(const float *q, int64_t n, const float **ks, const float **vs, int D, float scale,
+                       float *scores) {
     int64_t j = 0;
+    for (int64_t k = 0; k < AHEAD && k < n; k++) fetch(ks[k], D), fetch(vs[k], D);
 #if defined(__AVX__)
     for (; j + 8 <= n; j += 8) {
+        for (int64_t k = j + AHEAD; k < j + AHEAD + 8 && k < n; k++) fetch(ks[k], D), fetch(vs[k], D);
         __m256 acc[8];
         for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
         for (int i = 0; i < D; i += LANES) {
@@ -116,7 +127,7 @@ static void key_scores(const float *q, int64_t n, const float **ks, int D, float
 /* one row and one query head (q rotated) over its keys (key_rows) */
 static void attend(const decoder_dims *dm, const float *q, int64_t n, const float **ks, const float **vs, float *out,
                    float *scores) {
-    key_scores(q, n, ks, dm->head_dim, dm->scale, scores);
+    key_scores(q, n, ks, vs, dm->head_dim, dm->scale, scores);
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) mx = scores[j] > mx ? scores[j] : mx;
     float acc[LANES] = {0};
