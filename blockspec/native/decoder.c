@@ -167,10 +167,9 @@ static void store_kv(const decoder_dims *dm, const decoder_batch *bt, const laye
     }
 }
 
-/* rows: NULL, or (the last layer of a draft block, whose caller reads a few rows: DFlash's K drafts of 16) the
-rows past which nothing is needed: every row's k / v are still stored (the kept rows attend to them), then the kept
-rows move to the front of the residual stream and attention, o and the MLP run for them alone. Each kept row is
-computed exactly as in a full pass (rows never mix). */
+/* rows: NULL, or the rows whose output is read (n_rows of them, ascending: the last layer of a draft block, of whose
+16 rows DFlash reads K). Every row's k / v are still stored (the kept rows attend to them); then the kept rows move to
+the front of the residual stream and attention, o and the MLP run for them alone, each exactly as in a full pass. */
 static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const shared_buffers *sh,
                   const private_buffers *pv, int tid, int nth, const int32_t *rows, int n_rows) {
     int T = bt->T, H = dm->hidden, D = dm->head_dim, I = dm->intermediate, QKV = lw->qkv.N, a, b;
