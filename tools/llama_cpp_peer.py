@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / ".cache" / "llama-cpp-b11434" / "build" / "bin" / "llama-speculative-simple"
@@ -31,10 +32,11 @@ MODES = ("plain", "dflash", "ngram")
 
 
 def command(mode: str, gguf: Path, threads: int, max_tokens: int, prompt_file: Path, draft_n: int | None = None,
-            binary: Path = BIN, draft_gguf: Path = DRAFT_GGUF) -> list[str]:
-    """The example's command line for one mode (see the module's docstring)."""
+            binary: Path = BIN, draft_gguf: Path = DRAFT_GGUF, extra: Sequence[str] = ()) -> list[str]:
+    """The example's command line for one mode (see the module's docstring); extra: more flags (the GPU
+    benchmark's layer offload)."""
     argv = [str(binary), "-m", str(gguf), "-f", str(prompt_file), "-n", str(max_tokens), "-c", "2048",
-            "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1", "--seed", "0"]
+            "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1", "--seed", "0", *extra]
     if mode == "plain":
         return argv + ["--spec-type", "none"]
     if mode == "dflash":
@@ -59,13 +61,14 @@ def parse_output(stdout: str) -> list[dict]:
 
 
 def run(mode: str, gguf: Path, prompts: list[list[int]], threads: int, max_tokens: int,
-        draft_n: int | None = None, binary: Path = BIN) -> dict:
+        draft_n: int | None = None, binary: Path = BIN, draft_gguf: Path = DRAFT_GGUF, extra: Sequence[str] = ()
+        ) -> dict:
     """All prompts through one process: {"outputs": [{"tokens", "seconds", "prompt_seconds", "n_drafted",
     "n_accept"}...], "process_seconds": wall time of the whole process (loading and warm-up included)}."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="peer-prompts-") as f:
         f.write(prompt_text(prompts))
         f.flush()
-        argv = command(mode, gguf, threads, max_tokens, Path(f.name), draft_n, binary)
+        argv = command(mode, gguf, threads, max_tokens, Path(f.name), draft_n, binary, draft_gguf, extra)
         start = time.perf_counter()
         done = subprocess.run(argv, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -88,7 +91,8 @@ def rate(outputs: list[dict]) -> float:
 
 
 def sweep_draft_length(gguf: Path, prompts: list[list[int]], threads: int, max_tokens: int,
-                       lengths: list[int], passes: int = 2, binary: Path = BIN) -> dict:
+                       lengths: list[int], passes: int = 2, binary: Path = BIN, draft_gguf: Path = DRAFT_GGUF,
+                       extra: Sequence[str] = ()) -> dict:
     """llama.cpp's DFlash at each draft length on these prompts, the lengths interleaved, `passes` times; a length's
     rate is its best pass (load only ever slows a run down): {"tokens_per_second": {n: rate}, "tau": {n: tau},
     "passes": {n: [rate per pass]}, "best": the fastest n}."""
@@ -96,7 +100,7 @@ def sweep_draft_length(gguf: Path, prompts: list[list[int]], threads: int, max_t
     taus = {}
     for _ in range(passes):
         for n in lengths:
-            outs = run("dflash", gguf, prompts, threads, max_tokens, n, binary)["outputs"]
+            outs = run("dflash", gguf, prompts, threads, max_tokens, n, binary, draft_gguf, extra)["outputs"]
             runs[n].append(round(rate(outs), 1))
             taus[n] = round(tau(outs), 2)
             print(f"  llama.cpp DFlash draft length {n}, {threads} thread(s): {runs[n][-1]} tok/s, tau {taus[n]}",
