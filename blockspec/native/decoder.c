@@ -101,7 +101,7 @@ static void weigh_values(const float *p, int64_t n, const float **vs, int D, flo
 
 /* scores[j] = dot(q, ks[j], D) * scale for every key. Eight keys at a time on AVX: each key's 8 lane sums accumulate
 as dot() does (an independent chain per key, where dot() made each key wait for the last), then hadd sums the lanes
-of the eight keys in sum_lanes' order ((0+1)+(2+3))+((4+5)+(6+7)): the same bits as dot(), several times faster. */
+of the eight keys in sum_lanes' order ((0+1)+(2+3))+((4+5)+(6+7)): the same bits as dot(). */
 static void key_scores(const float *q, int64_t n, const float **ks, const float **vs, int D, float scale,
                        float *scores) {
     int64_t j = 0;
@@ -113,7 +113,8 @@ static void key_scores(const float *q, int64_t n, const float **ks, const float 
         for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
         for (int i = 0; i < D; i += LANES) {
             __m256 qi = _mm256_loadu_ps(q + i);
-            for (int k = 0; k < 8; k++) acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qi, _mm256_loadu_ps(ks[j + k] + i)));
+            for (int k = 0; k < 8; k++)
+                acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qi, _mm256_loadu_ps(ks[j + k] + i)));
         }
         __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
         __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -180,7 +181,8 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
     share(T, tid, nth, &a, &b);
     store_kv(dm, bt, lw, sh, a, b, pv->q);
     if (rows) { /* each thread its own copy of the stream; rows ascend, so row r never overwrites a later one */
-        for (int r = 0; r < n_rows; r++) memmove(pv->h + (size_t)r * H, pv->h + (size_t)rows[r] * H, sizeof(float) * H);
+        for (int r = 0; r < n_rows; r++)
+            memmove(pv->h + (size_t)r * H, pv->h + (size_t)rows[r] * H, sizeof(float) * H);
         T = n_rows;
     }
 #pragma omp barrier
