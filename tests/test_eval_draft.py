@@ -190,8 +190,8 @@ def test_eval_draft_full_block_drafting_matches_reference(pair_dirs, tmp_path, c
     target, draft_dir = pair_dirs
     rows: list[int] = []  # rows of every draft block the engine ran
     forward = DFlashDraftModel.forward
-    monkeypatch.setattr(DFlashDraftModel, "forward", lambda self, embeds, *a: rows.append(embeds.shape[0]) or
-                        forward(self, embeds, *a))
+    monkeypatch.setattr(DFlashDraftModel, "forward", lambda self, embeds, *a, **k: rows.append(embeds.shape[0]) or
+                        forward(self, embeds, *a, **k))
     rc, out, err = eval_draft(capsys, "--model", str(target), "--draft", str(draft_dir), "--dataset", "mtbench",
                               "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS), "--num-draft-tokens", "2",
                               "--full-block-drafting", "--out-dir", str(tmp_path), "--json")
