@@ -63,8 +63,10 @@ def fill_context(model, pool: KVPool, table: list[int], n: int, seed: int) -> No
             store(pool.draft_k[layer], pool.draft_v[layer], k, v, slots)
 
 
-def blocks(model, pool: KVPool, runs: list[tuple[list[int], int, int]], embeds: torch.Tensor) -> torch.Tensor:
-    """runs: per sequence (block table, block start, first embed row) -> the blocks' final hidden [B * ROWS, H]."""
+def blocks(model, pool: KVPool, runs: list[tuple[list[int], int, int]], embeds: torch.Tensor,
+           outputs: tuple[int, int] | None = None) -> torch.Tensor:
+    """runs: per sequence (block table, block start, first embed row) -> the blocks' final hidden [B * ROWS, H];
+    outputs: the model's (rows a..b-1 of each block read)."""
     pos = torch.cat([torch.arange(s, s + ROWS) for _, s, _ in runs])
     width = max(len(t) for t, _, _ in runs)
     batch = PagedBatch(pos, torch.full_like(pos, -1), torch.arange(len(runs) + 1, dtype=torch.int32) * ROWS,
@@ -72,7 +74,7 @@ def blocks(model, pool: KVPool, runs: list[tuple[list[int], int, int]], embeds: 
                        torch.tensor([t + [0] * (width - len(t)) for t, _, _ in runs]), ROWS)
     x = torch.cat([embeds[e:e + ROWS] for _, _, e in runs])
     with torch.no_grad():
-        return model(x, pos, PagedDraftAttention(pool, batch), ROWS)
+        return model(x, pos, PagedDraftAttention(pool, batch), ROWS, outputs=outputs)
 
 
 def q8_reference(model):
@@ -138,11 +140,7 @@ def test_a_last_layer_of_the_read_rows_only_gives_those_rows_bit_for_bit(pair):
     try:
         for threads, (a, b) in [(1, (1, 4)), (2, (1, 4)), (2, (0, ROWS)), (2, (5, 6))]:
             torch.set_num_threads(threads)
-            pos = torch.cat([torch.arange(s, s + ROWS) for _, s, _ in runs])
-            batch = PagedBatch(pos, torch.full_like(pos, -1), torch.tensor([0, ROWS, 2 * ROWS], dtype=torch.int32),
-                               torch.tensor([11, 3], dtype=torch.int32), torch.tensor([TABLE_A, TABLE_B]), ROWS)
-            with torch.no_grad():
-                got = draft.model(embeds, pos, PagedDraftAttention(pool, batch), ROWS, outputs=(a, b)).view(2, ROWS, -1)
+            got = blocks(draft.model, pool, runs, embeds, outputs=(a, b)).view(2, ROWS, -1)
             assert torch.equal(got[:, a:b], full[:, a:b]), (threads, a, b)
             assert not got[:, :a].any() and not got[:, b:].any()
     finally:
