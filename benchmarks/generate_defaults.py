@@ -29,10 +29,11 @@ def generate(prompt: str, flags: list[str]) -> tuple[dict, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--draft", default=str(bundled_draft_path()))
+    ap.add_argument("--draft", default=None, help="DFlash drafter (default: the bundled one)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("flags", nargs="*", help="after --: flags for both runs (e.g. --cpu-quant auto)")
     args = ap.parse_args(argv)
+    args.draft = args.draft or str(bundled_draft_path())  # resolved only when not given
     common = ["--max-tokens", str(args.max_tokens), *args.flags]
     t0 = time.perf_counter()
     _, err = generate(DEMO_PROMPTS[0], [*common, "--draft", args.draft])  # calibrates (or reads the cache)

@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--draft", default=str(bundled_draft_path()))
+    ap.add_argument("--draft", default=None, help="DFlash drafter (default: the bundled one)")
     ap.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time reference run")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("serve_flags", nargs="*", help="after --: flags for both servers (e.g. --cpu-quant auto)")
     args = ap.parse_args(argv)
+    args.draft = args.draft or str(bundled_draft_path())  # resolved only when not given
     chat, code = load_eval_prompts("mtbench", args.streams), load_eval_prompts("humaneval", args.streams)
     prompts = [p for pair in zip(chat, code) for p in pair][: args.streams]
     logs = Path(args.out.parent if args.out else ".")

@@ -71,6 +71,21 @@ def test_measured_once_then_cached_and_outputs_unchanged(draft_dir, cache, monke
         _auto(other, max_num_seqs=4, block_size=4)
 
 
+def test_where_no_draft_length_pays_the_engine_runs_without_the_drafter(draft_dir, monkeypatch):
+    lm = trained_pair().lm
+    draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=5), lm)
+    monkeypatch.setattr(calibrate, "_schedule", lambda step_ms, per_position, batches: {b: 0 for b in batches})
+    llm = _auto(draft, max_num_seqs=4, block_size=4)
+    assert llm.calibration.drafts_nothing and llm.calibration.schedule == {1: 0, 2: 0, 4: 0}
+    assert llm.engine.proposer is None and llm.engine.K == 0  # no context appends either
+    assert llm.calibration.describe().endswith("no draft length pays here: decoding without the drafter")
+    params = [SamplingParams(max_tokens=n) for n in (12, 20, 30)]
+    plain = LLM.from_loaded(lm, None, max_num_seqs=4, block_size=4).generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(set(o.acceptance_lengths) <= {1} for o in outs)
+
+
 def test_a_larger_batch_measures_only_what_the_cache_lacks(draft_dir, cache, monkeypatch):
     lm = trained_pair().lm
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=3), lm)

@@ -50,7 +50,10 @@ def test_the_calibrated_schedule_drafts_nothing_at_high_batch(cache):
     llm = served("auto", 64)
     cal = llm.calibration
     assert cal.source == "measured" and sorted(cal.schedule) == [1, 2, 4, 8, 16, 32, 64]
-    assert llm.engine.config.draft_len_schedule == cal.schedule
+    # where K = 0 wins at batch 1 too (this CPU's native q4 kernels may make a plain step that cheap), the server
+    # runs the plain engine
+    assert (llm.engine.proposer is None if cal.drafts_nothing else
+            llm.engine.config.draft_len_schedule == cal.schedule)
     ks = [cal.schedule[b] for b in sorted(cal.schedule)]
     assert ks == sorted(ks, reverse=True)  # K never grows with the batch
     assert cal.schedule[64] == 0 and cal.schedule[32] == 0

@@ -169,7 +169,7 @@ def _encode(tok, text: str, chat: bool) -> list[int]:
 
 def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, llm: LLM, trace: bool = False) -> dict:
     """One request's `generate --json` object; with a drafter also its acceptance lengths, the draft length schedule
-    it ran with (`trace`: and its steps)."""
+    it ran with (`trace`: and its steps), or the all-zero schedule for which it was left out."""
     tokens = out.token_ids
     result = {
         "text": tok.decode(tokens) if tok is not None else None,
@@ -186,6 +186,9 @@ def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, llm:
         result["draft_len_schedule"] = llm.engine.config.draft_len_schedule
         if trace:
             result["steps"] = [s.to_dict() for s in out.steps or []]
+    elif llm.calibration is not None and llm.calibration.drafts_nothing:  # --draft given, the calibration dropped it
+        result["mean_acceptance_length"] = 1.0  # one token a step, as plain decoding
+        result["draft_len_schedule"] = llm.calibration.schedule
     return result
 
 

@@ -47,11 +47,17 @@ class Calibration:
     step_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # {batch: {K: ms}} measured
     seconds: float = 0.0  # the time measuring took here (0 when cached)
 
+    @property
+    def drafts_nothing(self) -> bool:
+        """K = 0 at every batch size: the engine runs without the drafter (blockspec/llm.py)."""
+        return bool(self.schedule) and not any(self.schedule.values())
+
     def describe(self) -> str:
         sched = ", ".join(f"{b}:{k}" for b, k in sorted(self.schedule.items()))
         how = {"measured": f"measured on {self.device} in {self.seconds:.1f}s", "cached": f"cached for {self.device}",
                "drafter": f"the drafter's table for {self.device}"}[self.source]
-        return f"draft length schedule (batch:K) {sched} ({how})"
+        off = "; no draft length pays here: decoding without the drafter" if self.drafts_nothing else ""
+        return f"draft length schedule (batch:K) {sched} ({how}){off}"
 
 
 def device_name(device: torch.device) -> str:
