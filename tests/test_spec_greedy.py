@@ -63,6 +63,22 @@ def test_cli_draft_json_and_trace(tmp_path, capsys):
         assert b["position"] == a["position"] + n
 
 
+def test_cli_draft_left_out_where_no_draft_length_pays(tmp_path, capsys, monkeypatch):
+    from blockspec.engine import calibrate
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "_schedule", lambda step_ms, per_position, batches: {b: 0 for b in batches})
+    base = cli_pair(tmp_path)
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["token_ids"] == plain["token_ids"] and out["mean_acceptance_length"] == 1.0
+    assert out["draft_len_schedule"] == {"1": 0} and "acceptance_lengths" not in out
+    assert "no draft length pays here: decoding without the drafter" in captured.err
+
+
 def _edit_config(path, **changes):
     cfg = json.loads((path / "config.json").read_text())
     for k, v in changes.items():
