@@ -106,7 +106,8 @@ ID_PROMPTS = [[5], [9, 8, 7, 6, 5, 4, 3], list(range(10, 60)), [100, 3], list(ra
 @pytest.mark.parametrize("draft", [False, True], ids=["plain", "dflash"])
 def test_jsonl_prompt_ids_match_single_prompt_runs(capsys, dirs, tmp_path, draft):
     _, bare, draft_dir = dirs
-    extra = ("--draft", str(draft_dir)) if draft else ()
+    # K throughout: a calibration that picks K = 0 everywhere on some machine would leave the drafter out
+    extra = ("--draft", str(draft_dir), "--draft-len-schedule", "off") if draft else ()
     lines = [{"prompt_ids": p} if i % 2 else {"prompt_ids": p, "max_tokens": 3 + i} for i, p in enumerate(ID_PROMPTS)]
     f = write(tmp_path / "prompts.jsonl", lines)
     got = batch(capsys, bare, f, "--max-tokens", "9", *extra)
@@ -128,7 +129,7 @@ def test_trace_and_small_batch_size(capsys, dirs, tmp_path):
     """--trace adds the steps, like the single-prompt form; --max-batch-size 2 queues the rest, same results."""
     _, bare, draft_dir = dirs
     f = write(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in ID_PROMPTS])
-    args = ("--max-tokens", "7", "--draft", str(draft_dir), "--trace")
+    args = ("--max-tokens", "7", "--draft", str(draft_dir), "--trace", "--draft-len-schedule", "off")
     got = batch(capsys, bare, f, "--max-batch-size", "2", *args)
     for p, rec in zip(ID_PROMPTS, got):
         want = single(capsys, bare, "--prompt-ids", ",".join(map(str, p)), *args)

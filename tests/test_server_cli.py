@@ -115,7 +115,7 @@ def test_chat_streams_replies_over_a_conversation(monkeypatch, capsys):
     monkeypatch.setattr(cpu_packed, "pack_target", lambda m, f=cpu_packed.pack_target: packed.append(m) or f(m))
     flag = ["--cpu-packed"] if cpu_packed.fp32_supported(torch.device("cpu")) else []
     assert main(["chat", str(target), "--draft", str(draft), "--device", "cpu", "--max-tokens", "12",
-                 "--system", "Be nice.", *flag]) == 0
+                 "--system", "Be nice.", "--draft-len-schedule", "off", *flag]) == 0  # tau printed: it drafts
     assert len(packed) == len(flag)
     out, err = capsys.readouterr()
     assert out == f">>> {first}\n>>> {second}\n>>> >>> >>> {fresh}\n>>> "
