@@ -4,6 +4,7 @@ not depend on the other blocks of the call or the thread count, and greedy DFlas
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -106,45 +107,51 @@ def test_native_drafter_computes_the_torch_drafter_on_its_q8_weights(pair):
     assert not torch.equal(outs[0][0], outs[1][0])  # the native drafter really ran
 
 
-def test_a_block_is_the_same_alone_and_beside_another_at_any_thread_count(pair):
-    _, draft, _ = pair
-    embeds = torch.randn(2 * ROWS, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(6))
+def two_blocks(draft, seed: int, len_a: int, len_b: int):
+    """A pool holding two sequences' drafter context (len_a and len_b tokens), the runs of one block after each and
+    the blocks' input embeddings."""
+    embeds = torch.randn(2 * ROWS, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(seed))
     pool = new_pool(draft)
-    fill_context(draft.model, pool, TABLE_A, 10, seed=3)
-    fill_context(draft.model, pool, TABLE_B, 17, seed=4)
+    fill_context(draft.model, pool, TABLE_A, len_a, seed=seed + 1)
+    fill_context(draft.model, pool, TABLE_B, len_b, seed=seed + 2)
+    return pool, [(TABLE_A, len_a, 0), (TABLE_B, len_b, ROWS)], embeds
+
+
+@contextlib.contextmanager
+def torch_threads():
+    """torch.set_num_threads inside the block, the caller's count restored after it."""
     before = torch.get_num_threads()
     try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_block_is_the_same_alone_and_beside_another_at_any_thread_count(pair):
+    _, draft, _ = pair
+    pool, runs, embeds = two_blocks(draft, 6, 10, 17)
+    with torch_threads():
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            both = blocks(draft.model, pool, [(TABLE_A, 10, 0), (TABLE_B, 17, ROWS)], embeds)
-            alone = torch.cat([blocks(draft.model, pool, [(TABLE_A, 10, 0)], embeds),
-                               blocks(draft.model, pool, [(TABLE_B, 17, ROWS)], embeds)])
+            both = blocks(draft.model, pool, runs, embeds)
+            alone = torch.cat([blocks(draft.model, pool, [run], embeds) for run in runs])
             assert torch.equal(both, alone), threads
             results.append(both)
         assert torch.equal(results[0], results[1])
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_a_last_layer_of_the_read_rows_only_gives_those_rows_bit_for_bit(pair):
     """outputs=(a, b): rows a..b-1 of each block as the full pass computes them, zeros elsewhere, at any threads."""
     _, draft, _ = pair
-    embeds = torch.randn(2 * ROWS, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(8))
-    pool = new_pool(draft)
-    fill_context(draft.model, pool, TABLE_A, 11, seed=5)
-    fill_context(draft.model, pool, TABLE_B, 3, seed=6)
-    runs = [(TABLE_A, 11, 0), (TABLE_B, 3, ROWS)]
+    pool, runs, embeds = two_blocks(draft, 8, 11, 3)
     full = blocks(draft.model, pool, runs, embeds).view(2, ROWS, -1)
-    before = torch.get_num_threads()
-    try:
+    with torch_threads():
         for threads, (a, b) in [(1, (1, 4)), (2, (1, 4)), (2, (0, ROWS)), (2, (5, 6))]:
             torch.set_num_threads(threads)
             got = blocks(draft.model, pool, runs, embeds, outputs=(a, b)).view(2, ROWS, -1)
             assert torch.equal(got[:, a:b], full[:, a:b]), (threads, a, b)
             assert not got[:, :a].any() and not got[:, b:].any()
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_greedy_dflash_through_the_native_drafter_equals_plain_decoding(pair, monkeypatch):
