@@ -103,3 +103,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
         return rotary_(x.contiguous(), cos, sin)  # contiguous() copies views, so the caller's tensor is untouched
     return x * cos + rotate_half(x) * sin
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] with only its first cos.shape[-1] dims rotated, the rest passed through (partial rotary:
+    Qwen3.5's partial_rotary_factor; cos / sin from a RotaryEmbedding built over that many dims)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)

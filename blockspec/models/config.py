@@ -42,6 +42,24 @@ def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+# fields of a vision-language config.json's top level that win over its text_config's
+_TOP_LEVEL_WINS = ("architectures", "tie_word_embeddings", "dtype", "torch_dtype")
+
+
+def text_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the language model's fields: a vision-language checkpoint (Qwen3.5's ...ForConditionalGeneration)
+    nests them under `text_config`, read here as if at the top level (the top level's architectures, tying and dtype
+    winning); any other config as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "hidden_size" in cfg:
+        return cfg
+    merged = dict(text)
+    for key, value in cfg.items():
+        if key not in ("text_config", "vision_config") and (key not in text or key in _TOP_LEVEL_WINS):
+            merged[key] = value
+    return merged
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -88,6 +106,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        cfg = text_model_fields(cfg)
         archs = cfg.get("architectures") or []
         if not archs:
             raise ModelLoadError(f"{source}: field 'architectures' is missing or empty")
@@ -107,7 +126,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            # a model whose every MLP is routed experts (Qwen3.5-MoE) has no dense size: 0
+            intermediate_size=int(need("intermediate_size")) if "moe_intermediate_size" not in cfg
+            else int(cfg.get("intermediate_size") or 0),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),

@@ -1,0 +1,124 @@
+"""Tiny random Qwen3.5 / Qwen3.5-MoE checkpoints made with transformers (the reference), and a runner that drives our
+hybrid model over a paged KV pool and a RecurrentState the way the engine will: sequences with slots, varlen prefill
+chunks, batched decode rows, verify blocks with keep_rows and the commit after them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from blockspec.attention.paged_ref import PagedBatch, PagedTargetAttention
+from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.models.base import ForwardOutput
+from blockspec.models.hybrid_state import RecurrentBatch, RecurrentState
+
+VOCAB = 128
+
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+            linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+              num_position_embeddings=16, patch_size=4)
+
+
+def hf_config(moe: bool = False, conditional: bool = False, **overrides: Any):
+    import transformers as tf
+
+    text = {**TEXT, **(MOE if moe else {}), **overrides}
+    if moe:
+        text.pop("intermediate_size")
+    if conditional:
+        cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+        return cls(text_config=text, vision_config=VISION, tie_word_embeddings=text["tie_word_embeddings"])
+    return (tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig)(**text)
+
+
+def make_hf(seed: int = 0, moe: bool = False, conditional: bool = False, **overrides: Any):
+    """A random tiny Qwen3.5 (-MoE) model in fp32, eval mode. HF's init leaves the (1 + w) norms at w = 0, the gated
+    norm at 1 and dt_bias at 1: perturbed so the tests see them; the router scaled up (clear routing margins) and the
+    experts too, so that they move the logits."""
+    import transformers as tf
+
+    cfg = hf_config(moe, conditional, **overrides)
+    torch.manual_seed(seed)
+    if conditional:
+        cls = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+    else:
+        cls = tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif ".mlp.experts." in name or "shared_expert" in name:
+                p.copy_(torch.randn_like(p) * 0.15)
+            elif name.endswith(("norm.weight", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def save(model, path: Path) -> Path:
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@dataclass
+class PagedRunner:
+    """Our loaded hybrid model (lm.model) with its own pool and state: sequence i owns state slot i and a contiguous
+    run of pool blocks; `lens[i]` tokens of it are committed."""
+
+    model: Any
+    num_seqs: int
+    max_len: int
+    keep_seqs: int = 0
+    keep_rows: int = 0
+    block_size: int = 16
+    lens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        cfg, m = self.model.config, self.model
+        per_seq = math.ceil(self.max_len / self.block_size)
+        shape = CacheShape(m.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.pool = KVPool(self.num_seqs * per_seq, self.block_size, shape, None, torch.float32, torch.device("cpu"))
+        self.state = RecurrentState(m.recurrent_shape(), self.num_seqs, torch.float32, "cpu", self.keep_seqs,
+                                    self.keep_rows)
+        self.tables = torch.arange(self.num_seqs * per_seq).view(self.num_seqs, per_seq)
+        self.lens = [0] * self.num_seqs
+
+    def forward(self, runs: Sequence[tuple[int, Sequence[int]]], keep: Sequence[bool] = (), taps: Sequence[int] = ()
+                ) -> tuple[ForwardOutput, RecurrentBatch]:
+        """One forward over `runs` = (sequence, its next tokens) each, continuing at lens[sequence]. A run with keep
+        set is a verify block: its lens are not advanced (the caller commits and advances)."""
+        keep = list(keep) or [False] * len(runs)
+        ids, pos, slots, starts = [], [], [], [0]
+        for s, toks in runs:
+            ids += list(toks)
+            for p in range(self.lens[s], self.lens[s] + len(toks)):
+                pos.append(p)
+                slots.append(int(self.tables[s, p // self.block_size]) * self.block_size + p % self.block_size)
+            starts.append(starts[-1] + len(toks))
+        seqs = torch.tensor([s for s, _ in runs])
+        positions, slot_mapping = torch.tensor(pos), torch.tensor(slots)
+        query_start = torch.tensor(starts, dtype=torch.int32)
+        kv_lens = torch.tensor([self.lens[s] + len(t) for s, t in runs], dtype=torch.int32)
+        batch = PagedBatch(positions, slot_mapping, query_start, kv_lens, self.tables[seqs],
+                           max(len(t) for _, t in runs))
+        rb = RecurrentBatch.build(self.state, seqs, query_start, positions,
+                                  torch.tensor(keep) if any(keep) else None)
+        with torch.no_grad():
+            out = self.model(torch.tensor(ids), positions, PagedTargetAttention(self.pool, batch), tap_layers=taps,
+                             state=rb)
+        for (s, toks), k in zip(runs, keep):
+            if not k:
+                self.lens[s] += len(toks)
+        return out, rb
+
+    def slot_state(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv windows [L, C, K-1], delta-rule states [L, H, Dk, Dv]) of sequence s, every linear layer, copies."""
+        return self.state.conv[:, s].clone(), self.state.ssm[:, s].clone()
