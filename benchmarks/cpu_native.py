@@ -38,7 +38,7 @@ def main() -> int:
     lm = load_model(None, LoadConfig(device="cpu", cpu_quant="auto"))
     draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), num_draft_tokens=3,
                                          full_block_drafting=True, draft_vocab_size=24576), lm)
-    stack, native_draft = lm.model.native, draft.model.native
+    stack, native_draft = lm.model.executor, draft.model.executor
     if stack is None or native_draft is None:
         print("the native kernels did not build here (or BLOCKSPEC_NATIVE=0): nothing to time")
         return 1

@@ -23,9 +23,9 @@ from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import LoadConfig, load_model
+from blockspec.loading.native_stack import NativeDraft
 from blockspec.models import decoder
 from blockspec.models.dflash import DFlashDraftModel
-from blockspec.native.draft import NativeDraft
 from blockspec.speculative.dflash import DFlashProposer
 from blockspec.sampling import SamplingParams
 

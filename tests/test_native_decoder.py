@@ -1,7 +1,7 @@
-"""The native decoder stack (blockspec/native/decoder.c) that --cpu-quant q4 runs where the kernels build: it computes
-what the torch layers on the same q4 weights compute (to fp32 rounding: its exp, sums and norms are its own), each
-row bit for bit the same whatever the other rows of the call, their sequences and the thread count, and so greedy
-speculative decoding through it equals plain decoding."""
+"""The native decoder stack (blockspec/native/decoder.c, driven by loading/native_stack.py) that --cpu-quant q4 runs
+where the kernels build: it computes what the torch layers on the same q4 weights compute (to fp32 rounding: its exp,
+sums and norms are its own), each row bit for bit the same whatever the other rows of the call, their sequences and
+the thread count, and so greedy speculative decoding through it equals plain decoding."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def lm(request, tmp_path_factory):
     """A tiny q4 target of each family on the native stack (qwen2: q/k/v biases, qwen3: q/k head norms)."""
     src = save_hf_model(make_hf_model(request.param, seed=11, **SHAPE), tmp_path_factory.mktemp("native") / "t")
     lm = load_model(str(src), LoadConfig(device="cpu", with_tokenizer=False, cpu_quant="q4"))
-    assert lm.model.native is not None
+    assert lm.model.executor is not None
     return lm
 
 
@@ -63,15 +63,15 @@ TABLE_A, TABLE_B = [3, 0, 7, 5, 9, 1, 11], [2, 8, 4, 6, 10, 12, 13]  # blocks ou
 
 
 def test_native_stack_computes_the_torch_layers(lm):
-    native = lm.model.native
+    native = lm.model.executor
     outs = []
     for stack in (native, None):
-        lm.model.native = stack
+        lm.model.executor = stack
         pool = new_pool(lm)
         prefill = forward(lm, pool, batch([(TABLE_A, 0, 9)]), TOKENS[:9])
         verify = forward(lm, pool, batch([(TABLE_A, 9, 5)]), TOKENS[9:14])
         outs.append([torch.cat([prefill[0], verify[0]]), torch.cat([prefill[1], verify[1]])])
-    lm.model.native = native
+    lm.model.executor = native
     for got, want in zip(*outs):  # the logits: the int8 head rounds its output to bf16 (~0.4 % steps)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * float(want.abs().max()))
     assert not torch.equal(outs[0][1], outs[1][1])  # the native stack really ran: its fp32 rounding is its own

@@ -1,6 +1,7 @@
-"""The native drafter (blockspec/native/draft.py, draft.c) that a DFlash drafter runs on under a native q4 target: it
-computes the torch drafter on the same Q8_0 weights (to the rounding of its int8 activations), a block's drafts do
-not depend on the other blocks of the call or the thread count, and greedy DFlash through it equals plain decoding."""
+"""The native drafter (blockspec/native/draft.c, driven by loading/native_stack.py) that a DFlash drafter runs on
+under a native q4 target: it computes the torch drafter on the same Q8_0 weights (to the rounding of its int8
+activations), a block's drafts do not depend on the other blocks of the call or the thread count, and greedy DFlash
+through it equals plain decoding."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from blockspec.layers.cpu_quant import reference_weight
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import LoadConfig, load_model
+from blockspec.loading.native_stack import NativeDraft, draft_fallback
 from blockspec.native import q4
-from blockspec.native.draft import NativeDraft
 from dflash_utils import make_zlab_draft
 from engine_utils import greedy
 from hf_utils import make_hf_model, save_hf_model
@@ -39,7 +40,7 @@ def pair(tmp_path_factory):
     make_zlab_draft(AutoConfig.from_pretrained(str(src)), root / "d", layers=2, block_size=ROWS,
                     target_layer_ids=TAPS, mask_token_id=MASK, intermediate_size=96, head_dim=32, scale=3.0)
     draft = load_draft(SpeculativeConfig(draft_model=str(root / "d"), num_draft_tokens=ROWS - 1), lm)
-    assert lm.model.native is not None and draft.model.native is not None
+    assert lm.model.executor is not None and draft.model.executor is not None
     return lm, draft, root
 
 
@@ -80,11 +81,11 @@ def blocks(model, pool: KVPool, runs: list[tuple[list[int], int, int]], embeds: 
 
 def q8_reference(model):
     """The torch drafter on the weights the native one computes with: every linear's Q8_0 dequantization."""
-    native, model.native = model.native, None  # ctypes structs do not copy
+    native, model.executor = model.executor, None  # ctypes structs do not copy
     try:
         ref = copy.deepcopy(model)
     finally:
-        model.native = native
+        model.executor = native
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if p.dim() == 2 and not name.startswith("rotary"):
@@ -177,4 +178,4 @@ def test_drafters_the_native_path_cannot_run_keep_the_torch_layers(pair):
     make_zlab_draft(AutoConfig.from_pretrained(str(root / "t")), root / "d16", layers=1, block_size=ROWS,
                     target_layer_ids=TAPS, mask_token_id=MASK)  # head_dim 16: not whole blocks of 32
     draft = load_draft(SpeculativeConfig(draft_model=str(root / "d16"), num_draft_tokens=3), lm)
-    assert draft.model.native is None and not NativeDraft.runs(draft.model)
+    assert draft.model.executor is None and draft_fallback(draft.model, lm.model) is not None

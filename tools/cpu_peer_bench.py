@@ -85,8 +85,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def drafter_kind(draft, bf16: bool) -> str:
     """What the drafter ran on, for the JSON."""
-    if draft.model.native is not None:
-        return "native (blockspec/native/draft.py: Q8_0 linears, int8 activations, one call per pass)"
+    if draft.model.executor is not None:
+        return "native (blockspec/native/draft.c: Q8_0 linears, int8 activations, one call per pass)"
     return f"{'bf16' if bf16 else 'fp32'} oneDNN-packed"
 
 

@@ -14,13 +14,13 @@ from blockspec.errors import ConfigError, ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.loading.dflash_options import ResolvedSpec, resolve_spec
 from blockspec.loading.loader import LoadedModel
+from blockspec.loading.native_stack import attach_draft, draft_fallback
 from blockspec.loading.prepare import prepare_draft
 from blockspec.loading.source import resolve_source
 from blockspec.loading.weights import load_weights
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from blockspec.models.dflash_config import DFlashConfig
-from blockspec.native.draft import NativeDraft
 
 # z-lab's architecture names -> (config, model): DFlash 1, and DFlash 2 (convolutions + candidate selector)
 DRAFT_ARCHITECTURES: dict[str, tuple[type[DFlashConfig], type[DFlashDraftModel]]] = {
@@ -64,12 +64,12 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
     load_weights(model, _zlab_names(source.tensors()), where, prefix="")
     # a target on the native q4 stack drafts on the native kernels too (Q8_0, one call per pass); else a packed
     # target's drafter is packed too, in its dtype, and cpu_bf16_draft packs it in bf16
-    native = getattr(target.model, "native", None) is not None and NativeDraft.runs(model)
+    native = draft_fallback(model, target.model) is None
     pack = None if native else torch.bfloat16 if spec.cpu_bf16_draft else param.dtype if target.cpu_packed else None
     prepare_draft(model, target.model.lm_head, pack, resolved.draft_rows(resolved.num_draft_tokens),
                   spec.draft_vocab_size)
     if native:
-        model.native = NativeDraft(model)
+        attach_draft(model, target.model)
     return LoadedDraft(model.eval(), cfg, resolved, source.path if source.path.is_dir() else None,
                        spec.draft_vocab_size)
 

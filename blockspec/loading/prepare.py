@@ -83,10 +83,9 @@ def prepare_target(model: nn.Module, options: TargetOptions) -> None:
     """The target's linears in this platform's variant, in place (options resolved and checked already)."""
     if options.cpu_quant != "off":
         cpu_quant.quantize_target(model, options.cpu_quant)
-        from blockspec.native.decoder import NativeDecoder
+        from blockspec.loading.native_stack import attach_target
 
-        if NativeDecoder.runs(model):
-            model.native = NativeDecoder(model)
+        attach_target(model)
     if options.cpu_packed:  # after quantizing: packs the linears the quantized kernel does not take
         cpu_packed.pack_target(model)
     if kernels.fused_device(next(model.parameters()).device):  # before the batch-invariant swap takes the weights

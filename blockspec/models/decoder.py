@@ -12,7 +12,7 @@ AttentionFn the caller passes (dense cache, paged reference, Triton)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,7 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.base import AttentionFn, ForwardOutput, packed_shard_sizes
 from blockspec.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from blockspec.native.decoder import NativeDecoder
+from blockspec.models.executor import TargetStackExecutor
 
 
 @dataclass(frozen=True)
@@ -150,8 +148,8 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        # the layer stack in one native call (blockspec/native/decoder.py), set by prepare_target for q4 targets
-        self.native: NativeDecoder | None = None
+        # runs the layer stack in one call where it can (the native q4 stack: loading/native_stack.py attaches it)
+        self.executor: TargetStackExecutor | None = None
 
     def make_layer(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         """Decoder layer `layer_idx`: forward(h, delta, cos, sin, attn) -> (h, output, h_in), as DecoderLayer's."""
@@ -181,9 +179,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> ForwardOutput:
         delta = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary.cos_sin(positions, delta.dtype)
-        paged = getattr(attn, "native_paged", None)  # (pool, batch) where the native layer stack may run
-        if self.native is not None and paged is not None:
-            hidden, tapped = self.native.forward(delta, cos, sin, *paged, tap_layers)
+        ran = self.executor.run_layers(delta, cos, sin, attn, tap_layers) if self.executor is not None else None
+        if ran is not None:
+            hidden, tapped = ran
             rows = hidden if logit_rows is None else hidden[logit_rows]
             return ForwardOutput(logits=self.compute_logits(rows), taps=tapped, hidden=hidden)
         wanted = {l: i for i, l in enumerate(tap_layers)}

@@ -10,7 +10,7 @@ platform (the CPU-packed variants, the drafter's own heads) is picked once at lo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -21,15 +21,8 @@ from blockspec.models.base import PagedDest, packed_shard_sizes
 from blockspec.models.dflash_config import DFlashConfig
 from blockspec.models.dflash_io import DraftHead
 from blockspec.models.decoder import MLP
+from blockspec.models.executor import DraftStackExecutor
 from blockspec.models.qkv import KV, ContextKV, LinearQKV, QKVProjection
-
-if TYPE_CHECKING:
-    from blockspec.native.draft import NativeDraft
-
-
-def _native_pool(cache: torch.Tensor) -> bool:
-    """Whether the native drafter can write this draft cache: fp32 on the CPU."""
-    return cache.device.type == "cpu" and cache.dtype == torch.float32
 
 
 class DraftAttentionFn(Protocol):
@@ -103,8 +96,9 @@ class DFlashDraftModel(nn.Module):
         self.input_cast: nn.Module = nn.Identity()
         self.head: DraftHead = DraftHead()  # compute_logits: the target's lm_head
         self.greedy_head: DraftHead = DraftHead()  # greedy_drafts: the target's lm_head
-        # the whole drafter in native calls (blockspec/native/draft.py), set at load under a native q4 target
-        self.native: NativeDraft | None = None
+        # runs the layer stack and the context append in one call each where it can (the native drafter under a
+        # native q4 target: loading/native_stack.py attaches it)
+        self.executor: DraftStackExecutor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,11 +114,9 @@ class DFlashDraftModel(nn.Module):
         """taps [N, num_taps*H] of committed tokens at `positions` [N] -> per draft layer (k, v) [N, Hkv, D].
         paged(layer) -> (k_cache, v_cache, slot_mapping): where the fused GPU path may write them itself (a
         layer's (k, v) is (None, None) then; the caller stores the others)."""
-        if self.native is not None and paged is not None and _native_pool(paged(0)[0]):
-            cos, sin = self.rotary.cos_sin(positions, torch.float32)
-            dests = [paged(layer) for layer in range(len(self.layers))]
-            self.native.context(taps, cos, sin, [k for k, _, _ in dests], [v for _, v, _ in dests], dests[0][2])
-            return [(None, None)] * len(self.layers)
+        if self.executor is not None and paged is not None:
+            if self.executor.write_context(taps, positions, self.rotary, paged):
+                return [(None, None)] * len(self.layers)
         ctx = self.hidden_norm(self.fc(self.input_cast(taps)))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         attns = [layer.self_attn for layer in self.layers]
@@ -134,14 +126,14 @@ class DFlashDraftModel(nn.Module):
                 rows: int | None = None, outputs: tuple[int, int] | None = None) -> torch.Tensor:
         """embeds [T, H] (raw target embeddings of T / rows blocks of `rows` rows each; None: T rows of one block or
         of blocks whose bounds the layers need not know; scaled here), positions [T] -> final-normed [T, H].
-        outputs (a, b): the caller reads rows a..b-1 of each block only; the native drafter then skips the other
-        rows' last-layer attention and MLP and returns zeros there (the torch layers compute every row)."""
+        outputs (a, b): the caller reads rows a..b-1 of each block only; an executor may then skip the other rows'
+        last-layer attention and MLP and return zeros there (the torch layers compute every row)."""
         embeds = self.input_cast(embeds)
         h = embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        paged = getattr(attn, "native_paged", None) if self.native is not None else None
-        if paged is not None:
-            return self.native.forward(h, cos, sin, *paged, outputs=outputs)
+        ran = self.executor.run_layers(h, cos, sin, attn, outputs) if self.executor is not None else None
+        if ran is not None:
+            return ran
         delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, attn, rows or h.shape[0])

@@ -14,20 +14,22 @@ Tiles (configured per call: another library on the thread may have loaded its ow
 rows' int8 activations of one block [rows, 32]; 2, 3: B, two output groups' codes [8, 64] (row c: inputs 4c..4c+3
 of each of the 16 outputs); 4..7: C, the int32 sums [rows, 16] of DEPTH blocks in flight. */
 
+#include "native.h"
+
+#ifndef BLOCKSPEC_AMX
+/* a build without AMX (another architecture, or a compiler without AMX intrinsics: build.py's later tries): the other
+paths only. The pair functions keep their signatures so every build exports the same functions, and are never called
+(q4gemm.c and q8gemm.c call them in AMX builds only). */
+int amx_available(void) { return 0; }
+void q4_pair_amx(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx, const float *sx,
+                 const float *xs, int r0, int rows, float *y, int N, int g) {}
+void q8_pair_amx(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const float *sx, int r0, int rows,
+                 float *y, int N, int g) {}
+#else
 #include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#ifdef BLOCKSPEC_NO_AMX /* a compiler without AMX intrinsics (q4.py's second try): the other paths only */
-int amx_available(void) { return 0; }
-void q4_pair_amx(void) {}
-void q8_pair_amx(void) {}
-#else
-
-#define QK 32
-#define NG 8
 #define AMX "amx-tile,amx-int8,avx512f,avx512vl,avx512bw,avx2,fma,f16c"
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18

@@ -1,8 +1,8 @@
-/* A quantized decoder stack's forward on the CPU in one call (blockspec/native/decoder.py drives it): per layer
+/* A quantized decoder stack's forward on the CPU in one call (blockspec/loading/native_stack.py drives it): per layer
 add + RMSNorm + int8 quantize, q|k|v (Q4 or Q8 x Q8, q4gemm.c / q8gemm.c), optional q/k head norms, rotary, the new
 k/v stored in the paged pool, attention of every row over its sequence's keys, o, add + RMSNorm, gate|up, SiLU * up,
-down. The same stack runs a DFlash drafter's block (draft.py): each row over its sequence's cached draft context and
-every row of its own block, whose k/v are kept for this call only.
+down. The same stack runs a DFlash drafter's block: each row over its sequence's cached draft context and every row
+of its own block, whose k/v are kept for this call only.
 
 Why one call: a SmolLM2-135M decode step on 2 cores spends more time in ~60 small eager torch ops per layer (~10 us
 each) than in its weights; here the whole stack is one OpenMP parallel region. Threads split the matmuls' output
@@ -17,27 +17,11 @@ plain decoding of the same model. Built with -ffp-contract=off so the compiler n
 and not another; the SIMD sums keep 8 fixed lanes. */
 
 #include <omp.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #include "native.h"
-
-typedef struct {
-    int T;                       /* rows */
-    const float *cos, *sin;      /* [T, D] */
-    const int64_t *positions;    /* [T] */
-    const int64_t *slot_mapping; /* [T], -1: not stored */
-    const int32_t *row_seq;      /* [T] the sequence of each row */
-    const int32_t *kv_lens;      /* [B] keys at positions < kv_len are visible */
-    const int64_t *block_tables; /* [B, max_blocks] */
-    int max_blocks, block_size;
-    const int32_t *tap_layers; /* [n_taps]: the stream after these layers (the last: the final-normed output) */
-    int n_taps;
-    const int32_t *query_start; /* [B + 1]: a draft block's rows (NULL: target rows, causal over the pool) */
-    const int32_t *last_rows;   /* [n_last] ascending: the rows whose output is read (NULL: all); see layer() */
-    int n_last;
-} decoder_batch;
+#if defined(__AVX__) && defined(BLOCKSPEC_X86)
+#include <immintrin.h>
+#endif
 
 /* what each thread keeps to itself: its copy of the residual stream and of the row-wise work */
 typedef struct {
@@ -106,7 +90,7 @@ static void key_scores(const float *q, int64_t n, const float **ks, const float 
                        float *scores) {
     int64_t j = 0;
     for (int64_t k = 0; k < AHEAD && k < n; k++) fetch(ks[k], D), fetch(vs[k], D);
-#if defined(__AVX__)
+#if defined(__AVX__) && defined(BLOCKSPEC_X86)
     for (; j + 8 <= n; j += 8) {
         for (int64_t k = j + AHEAD; k < j + AHEAD + 8 && k < n; k++) fetch(ks[k], D), fetch(vs[k], D);
         __m256 acc[8];

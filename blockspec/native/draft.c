@@ -1,17 +1,11 @@
-/* A DFlash drafter's context append on the CPU in one call (blockspec/native/draft.py drives it; the block's forward
-is decoder.c's stack with a draft batch): the committed rows' target taps -> fc -> hidden_norm -> each draft layer's
-k|v projection, k head norm and rotary, stored in the layer's draft cache at the rows' slots. As in decoder.c,
+/* A DFlash drafter's context append on the CPU in one call (blockspec/loading/native_stack.py drives it; the block's
+forward is decoder.c's stack with a draft batch): the committed rows' target taps -> fc -> hidden_norm -> each draft
+layer's k|v projection, k head norm and rotary, stored in the layer's draft cache at the rows' slots. As in decoder.c,
 threads split matmul output groups and rows, never a sum, so a row's k/v do not depend on the rows beside it. */
 
 #include <omp.h>
 
 #include "native.h"
-
-typedef struct {
-    int T, n_taps;
-    const float *cos, *sin;      /* [T, D] */
-    const int64_t *slot_mapping; /* [T], -1: not stored */
-} context_batch;
 
 static void context_rows(const decoder_dims *dm, const layer_weights *lws, const qweight *fc,
                          const float *hidden_norm, const context_batch *cb, const float *taps, float *ctx, float *x,

@@ -1,6 +1,7 @@
-/* What decoder.c and draft.c share: the weight and activation formats of q4gemm.c / q8gemm.c, the model's dims,
-and the row-wise helpers (norm, rotary, exp) both compute the same way. Every sum runs over 8 fixed lanes in a fixed
-order, so a row's result never depends on the rows beside it (decoder.c's comment). */
+/* What the native C files share: the weight and activation formats of q4gemm.c / q8gemm.c, the structs Python passes
+in (blockspec/native/structs.py mirrors them; layout.c reports their layout so the mirrors are checked at load), the
+model's dims, and the row-wise helpers (norm, rotary, exp) decoder.c and draft.c compute the same way. Every sum runs
+over 8 fixed lanes in a fixed order, so a row's result never depends on the rows beside it (decoder.c's comment). */
 
 #ifndef BLOCKSPEC_NATIVE_H
 #define BLOCKSPEC_NATIVE_H
@@ -10,14 +11,37 @@ order, so a row's result never depends on the rows beside it (decoder.c's commen
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
-#define LANES 8
+/* The x86 SIMD paths (AVX2, AVX512-VNNI, AMX) are compiled on x86 only: elsewhere the same files build the scalar
+paths, which give the same bits. BLOCKSPEC_PORTABLE asks an x86 build for what another architecture compiles (the
+build test checks that it builds and computes the same). */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(BLOCKSPEC_PORTABLE)
+#define BLOCKSPEC_X86 1
+#endif
+/* AMX tiles: 64-bit x86 and a compiler with their intrinsics (build.py's later tries pass BLOCKSPEC_NO_AMX) */
+#if defined(BLOCKSPEC_X86) && defined(__x86_64__) && !defined(BLOCKSPEC_NO_AMX)
+#define BLOCKSPEC_AMX 1
+#endif
 
+#define QK 32    /* inputs per block (GGUF's Q4_1 / Q8_0 blocks, the activations' int8 blocks) */
+#define NG 8     /* outputs per group: the lanes of one 256-bit vector */
+#define LANES 8  /* the fixed lanes of every float sum */
+/* AMX from this many rows (verify steps of a few rows measure faster on VNNI: docs/perf.md) */
+#define AMX_MIN_ROWS 8
+
+float fp16_to_f32(uint16_t h);
 void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs);
 void q4_gemm_groups(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
                     const float *sx, const float *xs, int M, float *y, int g0, int g1, int path);
 void q8_gemm_groups(const int8_t *packed, const uint16_t *d, int N, int K, const int8_t *qx, const float *sx, int M,
                     float *y, int g0, int g1, int path);
+
+/* amx.c: whether the CPU has AMX-INT8 and the kernel grants its tile state (0 in a build without AMX), and one pair of
+output groups for rows r0..r0+rows-1 (rows <= 16) in q4gemm.c's / q8gemm.c's layout (never called without AMX) */
+int amx_available(void);
+void q4_pair_amx(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx, const float *sx,
+                 const float *xs, int r0, int rows, float *y, int N, int g);
+void q8_pair_amx(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const float *sx, int r0, int rows,
+                 float *y, int N, int g);
 
 typedef struct {
     const void *packed;    /* codes in q4gemm.c's (bits 4) or q8gemm.c's (bits 8) chunked layout */
@@ -38,6 +62,30 @@ typedef struct {
     float eps, scale;
     int threads, path;
 } decoder_dims;
+
+/* one forward's rows for decoder_forward (decoder.c) */
+typedef struct {
+    int T;                       /* rows */
+    const float *cos, *sin;      /* [T, D] */
+    const int64_t *positions;    /* [T] */
+    const int64_t *slot_mapping; /* [T], -1: not stored */
+    const int32_t *row_seq;      /* [T] the sequence of each row */
+    const int32_t *kv_lens;      /* [B] keys at positions < kv_len are visible */
+    const int64_t *block_tables; /* [B, max_blocks] */
+    int max_blocks, block_size;
+    const int32_t *tap_layers; /* [n_taps]: the stream after these layers (the last: the final-normed output) */
+    int n_taps;
+    const int32_t *query_start; /* [B + 1]: a draft block's rows (NULL: target rows, causal over the pool) */
+    const int32_t *last_rows;   /* [n_last] ascending: the rows whose output is read (NULL: all); decoder.c: layer() */
+    int n_last;
+} decoder_batch;
+
+/* the committed rows of a drafter's context append (draft.c) */
+typedef struct {
+    int T, n_taps;
+    const float *cos, *sin;      /* [T, D] */
+    const int64_t *slot_mapping; /* [T], -1: not stored */
+} context_batch;
 
 /* int8 activations of a [T, K] matrix: codes, per block scale sx and xs = sx * (the codes' sum) */
 typedef struct {

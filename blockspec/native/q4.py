@@ -1,91 +1,23 @@
-"""The native Q4 x Q8 and Q8 x Q8 kernels (q4gemm.c, q8gemm.c beside this file) and the decoder stack and drafter
-built on them (decoder.c / decoder.py, draft.c / draft.py):
-compiled with the machine's C compiler on first use into the user cache (~/.cache/blockspec/native,
-BLOCKSPEC_CACHE_DIR), loaded with ctypes. Written here because torch's
-CPU int4 kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations:
-this one takes int8 activations with integer dot products and streams the weights once for all rows (docs/perf.md).
-No compiler, a failed build or BLOCKSPEC_NATIVE=0: library() is None and --cpu-quant keeps torch's kernels."""
+"""The weights and activations as the native Q4 x Q8 and Q8 x Q8 kernels (q4gemm.c, q8gemm.c) read them, and their
+matmuls: what layers/cpu_quant.py's NativeQ4Linear and NativeQ8Linear run. Written here because torch's CPU int4
+kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations: these take
+int8 activations with integer dot products and stream the weights once for all rows (docs/perf.md).
+
+`library()` (lib.py) is None where the kernels cannot be built (build.py says why, once) or BLOCKSPEC_NATIVE=0: then
+--cpu-quant keeps torch's kernels and nothing here is constructed."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("q4gemm.c", "q8gemm.c", "amx.c", "decoder.c", "draft.c")]
-HEADERS = [Path(__file__).with_name("native.h")]
-# -ffp-contract=off: no multiply-add is fused in one place and not in another (decoder.c's exactness);
-# -fno-math-errno, -fno-trapping-math: sqrtf and lrintf become single instructions and the loops with conversions and
-# clamps (exp, SiLU) vectorize; neither lets the compiler change a result (no reassociation, no fast math)
-COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
-QK = 32  # inputs per block
+from blockspec.native.lib import best_path, library
+
+__all__ = ["QK", "Q4Weights", "Q8Weights", "best_path", "library", "quantize_rows"]
+QK = 32  # inputs per block (native.h's QK)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BLOCKSPEC_CACHE_DIR", Path.home() / ".cache" / "blockspec")) / "native"
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags: the library is built for this machine's instruction set (-march=native), so a cache
-    shared by two machines keeps one build each."""
-    try:
-        return next((ln for ln in Path("/proc/cpuinfo").read_bytes().splitlines() if ln.startswith(b"flags")), b"")
-    except OSError:
-        return b""
-
-
-def _build(cc: str, lib: Path, flags: list[str]) -> bool:
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([cc, *COMMON_FLAGS, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        return False
-    tmp.replace(lib)  # atomic: two processes building at once never load half a file
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built once per source version and machine (a few seconds), or None where they cannot
-    be built."""
-    if os.environ.get("BLOCKSPEC_NATIVE", "1") == "0":
-        return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(COMMON_FLAGS).encode()
-                            + _cpu_flags()).hexdigest()[:16]
-    lib = cache_dir() / f"blockspec-native-{digest}.so"
-    if not lib.is_file():
-        if cc is None:
-            return None
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        # the SIMD paths carry their own target attributes; -march=native vectorizes decoder.c's loops; a compiler
-        # without AMX intrinsics builds the other paths
-        tries = (["-march=native"], ["-march=native", "-DBLOCKSPEC_NO_AMX"], [], ["-DBLOCKSPEC_NO_AMX"])
-        if not any(_build(cc, lib, flags) for flags in tries):
-            return None
-    dll = ctypes.CDLL(str(lib))
-    dll.q4_best_path.restype = ctypes.c_int
-    dll.decoder_forward.restype = ctypes.c_int
-    dll.draft_context.restype = ctypes.c_int
-    return dll
-
-
-@functools.lru_cache(maxsize=None)
-def best_path() -> int:
-    """3: AMX-INT8 tiles for calls of 8+ rows (else AVX512-VNNI), 2: AVX512-VNNI, 1: AVX2 (with FMA and F16C),
-    0: scalar (all give the same bits)."""
-    lib = library()
-    return lib.q4_best_path() if lib is not None else -1
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
 
 
 class Q4Weights:

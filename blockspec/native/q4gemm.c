@@ -1,4 +1,4 @@
-/* Q4 weights x Q8 activations on the CPU, for decode and verify steps (blockspec/native/q4.py builds and loads it).
+/* Q4 weights x Q8 activations on the CPU, for decode and verify steps (blockspec/native/build.py builds it, lib.py loads it).
 
 Weights: a GGUF Q4_1 block as it is, per output and block of 32 inputs: w = d * code + m (code 0..15, d and m fp16:
 20 bytes a block), so a Q4_1 file's weights are computed with their own values. Activations: per row and block of
@@ -16,16 +16,12 @@ the thread count (threads split the output groups) and the path (AMX, AVX512-VNN
 so a verify step's rows equal plain decoding's. Weights stream once per call for all rows: each block's chunks are
 unpacked once and used for up to MR rows. */
 
-#include <immintrin.h>
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
 
-#define QK 32
-#define NG 8 /* outputs per group: the lanes of one 256-bit vector */
-/* AMX from this many rows (verify steps of a few rows measure faster on VNNI: docs/perf.md) */
-#define AMX_MIN_ROWS 8
+#include "native.h"
+#ifdef BLOCKSPEC_X86
+#include <immintrin.h>
+#endif
 
 /* IEEE half -> float, exact (what F16C's vcvtph2ps computes), for the scalar path */
 float fp16_to_f32(uint16_t h) {
@@ -40,6 +36,7 @@ float fp16_to_f32(uint16_t h) {
     return f;
 }
 
+#ifdef BLOCKSPEC_X86
 /* the same for one block, on AVX2: |x| max, the codes rounded as lrintf does (the rounding mode's nearest-even), the
 same clamp and an exact integer sum, so the same bits as the scalar loop (which called fmaxf through the PLT 32
 times a block: 12 % of a 4-row stack step) */
@@ -69,13 +66,16 @@ __attribute__((target("avx2,fma"))) static void q8_block_avx2(const float *v, in
     *sx = d;
     *xs = d * (float)_mm_cvtsi128_si32(s4);
 }
+#endif
 
 /* n blocks of 32 from x -> their int8 codes qx, scales sx and xs = sx * (the codes' sum) */
 void q8_quantize_blocks(const float *x, int n, int8_t *qx, float *sx, float *xs) {
+#ifdef BLOCKSPEC_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         for (int b = 0; b < n; b++) q8_block_avx2(x + b * QK, qx + b * QK, sx + b, xs + b);
         return;
     }
+#endif
     for (int b = 0; b < n; b++) {
         const float *v = x + b * QK;
         int8_t *q = qx + b * QK;
@@ -135,6 +135,7 @@ static void group_scalar(const uint8_t *packed, const uint16_t *d, const uint16_
     }
 }
 
+#ifdef BLOCKSPEC_X86
 /* one output group for rows r0..r0+MR-1; DOT4(w[4], q, off): the block's integer sums of the 4 chunks w against
 activation bytes q[off..off+15] */
 #define GROUP_SIMD(NAME, TARGET, DOT4, MR)                                                                           \
@@ -197,18 +198,20 @@ GROUP_SIMD(group_vnni_4, VNNI, DOT4_VNNI, 4)
 
 typedef void (*group_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int, const int8_t *, const float *,
                          const float *, int, float *, int, int);
+#endif
 
-int amx_available(void);
-void q4_pair_amx(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx, const float *sx,
-                 const float *xs, int r0, int rows, float *y, int N, int g);
-
-/* 3: AMX-INT8 tiles for calls of AMX_MIN_ROWS+ rows (amx.c) and AVX512-VNNI for the others, 2: AVX512-VNNI, 1: AVX2, 0: scalar */
+/* 3: AMX-INT8 tiles for calls of AMX_MIN_ROWS+ rows (amx.c) and AVX512-VNNI for the others, 2: AVX512-VNNI,
+1: AVX2, 0: scalar */
 int q4_best_path(void) {
+#ifndef BLOCKSPEC_X86
+    return 0; /* the scalar loops only */
+#else
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
         return 0;
     if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return 1;
     return amx_available() ? 3 : 2;
+#endif
 }
 
 /* one output group for every row, rows in tiles of 4 / 2 / 1 (the results do not depend on the tiling; AMX's
@@ -216,16 +219,21 @@ pairs of groups are q4_gemm_groups') */
 static void group(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int K, const int8_t *qx,
                   const float *sx, const float *xs, int M, float *y, int N, int g, int path) {
     int r0 = 0;
+#ifndef BLOCKSPEC_X86
+    path = 0; /* no other path is built */
+#endif
     if (path == 0) {
         for (; r0 < M; r0++) group_scalar(packed, d, m, K, qx, sx, xs, r0, y, N, g);
         return;
     }
+#ifdef BLOCKSPEC_X86
     /* AVX2 has 16 vector registers: 2 rows at a time at most without spilling */
     group_fn f1 = path >= 2 ? group_vnni_1 : group_avx2_1, f2 = path >= 2 ? group_vnni_2 : group_avx2_2;
     if (path >= 2)
         for (; r0 + 4 <= M; r0 += 4) group_vnni_4(packed, d, m, K, qx, sx, xs, r0, y, N, g);
     for (; r0 + 2 <= M; r0 += 2) f2(packed, d, m, K, qx, sx, xs, r0, y, N, g);
     for (; r0 < M; r0++) f1(packed, d, m, K, qx, sx, xs, r0, y, N, g);
+#endif
 }
 
 /* output groups g0..g1-1 of y [M, N] for every row: a thread's share of one matmul (decoder.c calls it inside its
@@ -233,10 +241,12 @@ own parallel region) */
 void q4_gemm_groups(const uint8_t *packed, const uint16_t *d, const uint16_t *m, int N, int K, const int8_t *qx,
                     const float *sx, const float *xs, int M, float *y, int g0, int g1, int path) {
     int g = g0;
+#ifdef BLOCKSPEC_AMX
     if (path == 3 && M >= AMX_MIN_ROWS) /* pairs of groups in tiles of up to 16 rows; an odd last group on VNNI */
         for (; g + 2 <= g1; g += 2)
             for (int r0 = 0; r0 < M; r0 += 16)
                 q4_pair_amx(packed, d, m, K, qx, sx, xs, r0, M - r0 < 16 ? M - r0 : 16, y, N, g);
+#endif
     for (; g < g1; g++) group(packed, d, m, K, qx, sx, xs, M, y, N, g, path);
 }
 

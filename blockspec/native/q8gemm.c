@@ -1,5 +1,5 @@
 /* Q8 weights x Q8 activations on the CPU: the q4 target's lm_head (and the drafter's reads of it) and --cpu-quant q8
-(blockspec/native/q4.py loads it with q4gemm.c).
+(built and loaded with q4gemm.c: blockspec/native/build.py, lib.py).
 
 Weights: a GGUF Q8_0 block as it is, per output and block of 32 inputs: w = d * code (code -127..127, d fp16), so a
 Q8_0 file's tensors (the bundled model's token embedding, its tied head) are computed with their own values.
@@ -13,21 +13,12 @@ of each of the 8 outputs; d stored [group][block][8]. A chunk against 4 activati
 unsigned x signed multiply-add: on AVX2 |w| times x with w's sign (its pairwise 16-bit sums stay under 2 * 128 * 127,
 no saturation), on VNNI x + 128 times w with 128 x the weights' sum taken back (GROUP8_VNNI). */
 
-#include <immintrin.h>
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#define QK 32
-#define NG 8
-/* AMX from this many rows (verify steps of a few rows measure faster on VNNI: docs/perf.md) */
-#define AMX_MIN_ROWS 8
-
-float fp16_to_f32(uint16_t h);
-void q8_pair_amx(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const float *sx, int r0, int rows,
-                 float *y, int N, int g);
+#include "native.h"
+#ifdef BLOCKSPEC_X86
+#include <immintrin.h>
+#endif
 
 /* codes [N, K] int8 -> the chunked layout above; N a multiple of NG */
 void q8w_pack(const int8_t *codes, int N, int K, int8_t *packed) {
@@ -57,6 +48,7 @@ static void group_scalar(const int8_t *packed, const uint16_t *d, int K, const i
     }
 }
 
+#ifdef BLOCKSPEC_X86
 #define BCAST(q, off) _mm256_set1_epi32(*(const int32_t *)((q) + (off)))
 #define DOT_AVX2(acc, w, x) \
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8((x), (w))), \
@@ -131,31 +123,43 @@ row (the heads' 4-row verify and 3-row draft calls run here) */
     }
 GROUP8_VNNI(g8_vnni_1, 1)
 GROUP8_VNNI(g8_vnni_4, 4)
+#endif
 
 /* one output group for every row, rows in tiles of 4 (VNNI) / 2 (AVX2) / 1 (the results do not depend on it) */
 static void group(const int8_t *packed, const uint16_t *d, int K, const int8_t *qx, const uint8_t *xu, const float *sx,
                   int M, float *y, int N, int g, int path) {
     int r0 = 0;
+#ifdef BLOCKSPEC_X86
     if (path >= 2) {
         for (; r0 + 4 <= M; r0 += 4) g8_vnni_4(packed, d, K, xu, sx, r0, y, N, g);
         for (; r0 < M; r0++) g8_vnni_1(packed, d, K, xu, sx, r0, y, N, g);
-    } else if (path == 1) {
+        return;
+    }
+    if (path == 1) {
         for (; r0 + 2 <= M; r0 += 2) g8_avx2_2(packed, d, K, qx, sx, r0, y, N, g);
         for (; r0 < M; r0++) g8_avx2_1(packed, d, K, qx, sx, r0, y, N, g);
-    } else {
-        for (; r0 < M; r0++) group_scalar(packed, d, K, qx, sx, r0, y, N, g);
+        return;
     }
+#else
+    (void)xu; /* the scalar loops only */
+#endif
+    for (; r0 < M; r0++) group_scalar(packed, d, K, qx, sx, r0, y, N, g);
 }
 
 /* output groups g0..g1-1 of y [M, N] for every row: a thread's share (decoder.c, draft.c) */
 void q8_gemm_groups(const int8_t *packed, const uint16_t *d, int N, int K, const int8_t *qx, const float *sx, int M,
                     float *y, int g0, int g1, int path) {
     int g = g0;
+#ifdef BLOCKSPEC_AMX
     if (path == 3 && M >= AMX_MIN_ROWS) /* pairs of groups in tiles of up to 16 rows (amx.c); an odd last group on VNNI */
         for (; g + 2 <= g1; g += 2)
             for (int r0 = 0; r0 < M; r0 += 16) q8_pair_amx(packed, d, K, qx, sx, r0, M - r0 < 16 ? M - r0 : 16, y, N, g);
+#endif
     if (g >= g1) return;
     uint8_t stack[4096], *xu = NULL; /* the VNNI loops' unsigned activations (a few kB: a head's rows, a 16-row block) */
+#ifndef BLOCKSPEC_X86
+    path = 0; /* no other path is built */
+#endif
     if (path >= 2) {
         size_t n = (size_t)M * K;
         xu = n <= sizeof stack ? stack : malloc(n);
