@@ -83,11 +83,11 @@ class PagedRunner:
 
     def __post_init__(self) -> None:
         cfg, m = self.model.config, self.model
+        dtype = m.embed_tokens.weight.dtype
         per_seq = math.ceil(self.max_len / self.block_size)
         shape = CacheShape(m.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim)
-        self.pool = KVPool(self.num_seqs * per_seq, self.block_size, shape, None, torch.float32, torch.device("cpu"))
-        self.state = RecurrentState(m.recurrent_shape(), self.num_seqs, torch.float32, "cpu", self.keep_seqs,
-                                    self.keep_rows)
+        self.pool = KVPool(self.num_seqs * per_seq, self.block_size, shape, None, dtype, torch.device("cpu"))
+        self.state = RecurrentState(m.recurrent_shape(), self.num_seqs, dtype, "cpu", self.keep_seqs, self.keep_rows)
         self.tables = torch.arange(self.num_seqs * per_seq).view(self.num_seqs, per_seq)
         self.lens = [0] * self.num_seqs
 
@@ -122,3 +122,55 @@ class PagedRunner:
     def slot_state(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv windows [L, C, K-1], delta-rule states [L, H, Dk, Dv]) of sequence s, every linear layer, copies."""
         return self.state.conv[:, s].clone(), self.state.ssm[:, s].clone()
+
+
+# (prompt length, rows in the first forward, rows in the second): sequence 0 is prefilled in two chunks (the second
+# continuing a chunked state and mixed with the others' first decode rows), sequence 1 from a one-row prefill,
+# sequence 2 from a prefill longer than RECURRENT_MAX_ROWS; every prompt is then decoded one row a step, batched
+PLAN = [(150, 100, 40), (9, 1, 1), (40, 30, 1)]
+
+
+def prefill_decode(model, prompts: Sequence[torch.Tensor], taps: Sequence[int] = ()
+                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Our (logits, taps) over every row of each prompt, run through PLAN (batched prefill chunks, then decode)."""
+    runner = PagedRunner(model, len(prompts), max(len(p) for p in prompts))
+    got: list[list[ForwardOutput]] = [[] for _ in prompts]
+    done = [0] * len(prompts)
+
+    def step(sizes: Sequence[int]) -> None:
+        sizes = [min(n, len(p) - d) for n, p, d in zip(sizes, prompts, done)]  # a short prompt: fewer rows
+        runs = [(i, prompts[i][done[i]:done[i] + n].tolist()) for i, n in enumerate(sizes) if n > 0]
+        if not runs:
+            return
+        out, _ = runner.forward(runs, taps=taps)
+        lo = 0
+        for i, toks in runs:
+            rows = slice(lo, lo + len(toks))
+            got[i].append(ForwardOutput(out.logits[rows], out.taps[rows] if taps else None, out.hidden[rows]))
+            done[i] += len(toks)
+            lo += len(toks)
+
+    step([first for _, first, _ in PLAN[:len(prompts)]])
+    step([second for _, _, second in PLAN[:len(prompts)]])
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        step([1 if d < len(p) else 0 for d, p in zip(done, prompts)])
+    return [(torch.cat([o.logits for o in outs]), torch.cat([o.taps for o in outs]) if taps else None)
+            for outs in got]
+
+
+def assert_matches_transformers(model, hf, rtol: float = 1e-4) -> None:
+    """PLAN's prompts through our model against HF's whole-sequence forward: logits and the taps of every layer (the
+    last final-normed) within rtol of the reference's largest magnitude."""
+    n, H = model.config.num_hidden_layers, model.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (length,), generator=g) for length, _, _ in PLAN]
+    ours = prefill_decode(model, prompts, list(range(n)))
+    for p, (logits, taps) in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf(p[None], output_hidden_states=True)
+        scale = ref.logits.abs().max().item()
+        assert (logits - ref.logits[0]).abs().max().item() <= rtol * scale, len(p)
+        for i in range(n):
+            want = ref.hidden_states[i + 1][0]
+            err = (taps[:, i * H:(i + 1) * H] - want).abs().max().item()
+            assert err <= rtol * want.abs().max().item(), (len(p), i, err)

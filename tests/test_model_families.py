@@ -135,5 +135,8 @@ def test_unknown_architecture_is_one_line_naming_the_supported_ones():
     cfg = ModelConfig.from_hf({**TINY, "architectures": ["FooForCausalLM"]})
     with pytest.raises(ModelLoadError) as e:
         registry.build_model(cfg)
+    # the list grows with every family: the sorted registry, which holds these at least
     assert str(e.value) == ("unknown architecture 'FooForCausalLM' in config.json 'architectures'; "
-                            "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+                            f"supported: {', '.join(registry.supported())}")
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM",
+            "Qwen3_5MoeForConditionalGeneration"} <= set(registry.supported())
