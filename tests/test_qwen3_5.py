@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from blockspec.errors import ModelLoadError
 from blockspec.layers.gated_delta import chunked_rule, l2_normalize, recurrent_rule
+from blockspec.layers.moe import Router
 from blockspec.layers.short_conv import causal_conv
 from blockspec.loading.loader import LoadConfig, load_model
 from dense_cache import DenseCausalAttention, DenseKVCache
@@ -222,6 +223,20 @@ def test_bf16_runs_close_to_fp32(dense_lm, tmp_path):
     (f32, _), = prefill_decode(lm.model, [ids])
     (b16, _), = prefill_decode(lm16.model, [ids])
     assert b16.dtype == torch.float32 and (b16 - f32).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_cpu_packed_variant(tmp_path, moe):
+    """cpu_packed (the linears packed for oneDNN, fp32): the reference's numbers; the one-row shared-expert gate is a
+    Router, as the router, which the platform passes leave unpacked and unquantized."""
+    d = str(save(make_hf(7, moe=moe), tmp_path / "m"))
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(4))
+    (ref, _), = prefill_decode(load_model(d, CPU).model, [ids])
+    (packed, _), = prefill_decode(load_model(d, LoadConfig(device="cpu", with_tokenizer=False,
+                                                           cpu_packed=True)).model, [ids])
+    assert (packed - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    if moe:  # the platform passes swap exact nn.Linears only (cpu_quant's kernels take 8+ rows, this has one)
+        assert type(load_model(d, CPU).model.layers[0].mlp.shared_expert_gate) is Router
 
 
 # ---- bad configs: one line naming the field ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ModelLoadError
-from blockspec.layers.moe import SparseMoeBlock
+from blockspec.layers.moe import Router, SparseMoeBlock
 from blockspec.models.config import ModelConfig
 from blockspec.models.decoder import MLP
 from blockspec.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
@@ -52,7 +52,9 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         super().__init__(cfg.hidden_size, nn.ModuleList(MLP(expert_cfg) for _ in range(spec.num_experts)), spec.top_k,
                          norm_topk_prob=True)
         self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=spec.shared_intermediate_size))
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # one output row: a Router, not an nn.Linear, so the platform passes leave it unquantized and unpacked (as
+        # the router: a quantized gate would move every row's shared-expert weight; quantized kernels take N >= 8)
+        self.shared_expert_gate = Router(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
