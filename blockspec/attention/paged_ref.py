@@ -1,8 +1,11 @@
 """Reference attention over the paged pool (plain torch, CPU and GPU): the oracle for the Triton kernels.
 
 A batch is a flat [T] run of new tokens, sequence after sequence (varlen). Each sequence sees the keys at positions
-< kv_len through its block table, then masks by position (causal for the target; causal / non-causal / windowed per
-draft layer). Loops over sequences on the host: clarity over speed."""
+< kv_len through its block table, then masks by position (causal for the target, windowed in a target's sliding-window
+layers: a query at p sees the keys in (p - window, p]; causal / non-causal / windowed per draft layer). A target layer
+may also have learned attention sinks (gpt-oss: a per-head logit in the softmax's denominator) and may read another
+layer's cache without storing (KV shared between layers: k = v = None). Loops over sequences on the host: clarity
+over speed."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blockspec.attention.torch_ref import attend, build_mask
+from blockspec.attention.torch_ref import attend, build_mask, sdpa
 from blockspec.kv.pool import KVPool
 from blockspec.models.base import AttentionBase
 
@@ -107,36 +110,53 @@ class PagedRows:
 
 
 class PagedTargetAttention(PagedRows, AttentionBase):
-    """Causal attention of the batch's new tokens over each sequence's paged context (AttentionFn)."""
+    """Causal attention of the batch's new tokens over each sequence's paged context (AttentionFn). Per call, as the
+    layer asks: `window` W (a sliding-window layer: keys in (p - W, p] only), `sinks` [Hq] (learned attention sinks),
+    k = v = None (read this cache without storing: a layer that shares an earlier layer's K/V)."""
 
     @functools.cached_property
     def written(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return written_rows(self.batch.slot_mapping)  # the same for every layer
 
     @functools.cached_property
-    def masks(self) -> list[torch.Tensor]:
-        pos = self.batch.positions
-        return [build_mask(pos[self.qs[i]:self.qs[i + 1]], torch.arange(n, device=pos.device), causal=True)
-                for i, n in enumerate(self._host[1])]
+    def _masks(self) -> dict[int | None, list[torch.Tensor]]:
+        return {}
 
-    def context(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this layer's new k/v rows; its (k, v) caches."""
+    def window_masks(self, window: int | None) -> list[torch.Tensor]:
+        """Per sequence, the mask of its rows over its keys 0..kv_len-1: causal, within `window` when given; built
+        once per forward and window (the layers of one kind share it)."""
+        if window not in self._masks:
+            pos = self.batch.positions
+            self._masks[window] = [
+                build_mask(pos[self.qs[i]:self.qs[i + 1]], torch.arange(n, device=pos.device), True, window)
+                for i, n in enumerate(self._host[1])]
+        return self._masks[window]
+
+    @property
+    def masks(self) -> list[torch.Tensor]:
+        return self.window_masks(None)
+
+    def context(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this layer's new k/v rows (None: nothing to store); its (k, v) caches."""
         ck, cv = self.pool.k[layer], self.pool.v[layer]
-        store(ck, cv, k, v, self.batch.slot_mapping, self.written)
+        if k is not None and v is not None:
+            store(ck, cv, k, v, self.batch.slot_mapping, self.written)
         return ck, cv
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         ck, cv = self.context(layer, k, v)
         out = torch.empty_like(q)
         for i in range(len(self.contexts)):
             a, b = self.qs[i], self.qs[i + 1]
-            out[a:b] = self.attend_sequence(i, q[a:b], ck, cv, scale)
+            out[a:b] = self.attend_sequence(i, q[a:b], ck, cv, scale, window, sinks)
         return out
 
-    def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float
-                        ) -> torch.Tensor:
+    def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float,
+                        window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Sequence i's rows q [n, Hq, D] over its context in the layer caches ck / cv -> [n, Hq, D]."""
-        return attend(q, gather(ck, self.contexts[i]), gather(cv, self.contexts[i]), self.masks[i], scale)
+        return attend(q, gather(ck, self.contexts[i]), gather(cv, self.contexts[i]), self.window_masks(window)[i],
+                      scale, sinks)
 
 
 class RowwiseTargetAttention(PagedTargetAttention):
@@ -158,10 +178,10 @@ class RowwiseTargetAttention(PagedTargetAttention):
         cpu_f32 = self.pool.k.device.type == "cpu" and self.pool.k.dtype == torch.float32
         return (self.pool, self.batch) if cpu_f32 else None
 
-    def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float
-                        ) -> torch.Tensor:
+    def attend_sequence(self, i: int, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float,
+                        window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if q.shape[0] > ROWWISE_MAX_ROWS:
-            return super().attend_sequence(i, q, ck, cv, scale)
+            return super().attend_sequence(i, q, ck, cv, scale, window, sinks)
         # head-major views made once per sequence, sliced per row: [1, H, rows or keys, D], as attend lays out
         keys = gather(ck, self.contexts[i]).transpose(0, 1)[None]
         values = gather(cv, self.contexts[i]).transpose(0, 1)[None]
@@ -169,8 +189,12 @@ class RowwiseTargetAttention(PagedTargetAttention):
         out = torch.empty_like(q)
         for r in range(q.shape[0]):
             n = self.positions[first + r] + 1
-            out[r] = F.scaled_dot_product_attention(rows[:, :, r:r + 1], keys[:, :, :n], values[:, :, :n],
-                                                    scale=scale, enable_gqa=q.shape[1] != ck.shape[1])[0, :, 0]
+            lo = 0 if window is None else max(0, n - window)  # a sliding-window layer: keys (p - window, p]
+            if sinks is None:
+                out[r] = F.scaled_dot_product_attention(rows[:, :, r:r + 1], keys[:, :, lo:n], values[:, :, lo:n],
+                                                        scale=scale, enable_gqa=q.shape[1] != ck.shape[1])[0, :, 0]
+            else:
+                out[r] = sdpa(rows[:, :, r:r + 1], keys[:, :, lo:n], values[:, :, lo:n], None, scale, sinks)[0, :, 0]
         return out
 
 

@@ -2,8 +2,11 @@
 
 One attention kernel serves both models. Each program owns BLOCK_M query rows of one sequence and one query head;
 it streams the sequence's cached keys (positions < kv_len, through the block table, page by page) with an online
-softmax, masked by position: causal (k <= q) or not, optional window (q - k < W, or |q - k| < W when non-causal).
-The draft block additionally attends to its own K/V, which are passed in and never stored (HAS_NEW)."""
+softmax, masked by position: causal (k <= q) or not, optional window (q - k < W, or |q - k| < W when non-causal:
+a target's sliding-window layers, the drafter's windowed layers; key tiles wholly before a causal window are skipped).
+The draft block additionally attends to its own K/V, which are passed in and never stored (HAS_NEW). Learned attention
+sinks (gpt-oss: one logit per head added to the softmax's denominator, no value) are folded in by the merge, once per
+row whatever the number of splits."""
 
 from __future__ import annotations
 
@@ -107,7 +110,14 @@ def _paged_attn_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        if CAUSAL and WINDOW > 0:
+            # tiles whose keys lie before every row's window add exact zeros (p = 0, the running scale 1): skip them;
+            # the first tile kept starts on a multiple of BLOCK_N from lo, as every tile does, so the fold is the same
+            q_min = tl.min(tl.where(row_ok, q_pos, 2147483647), 0)
+            first = tl.maximum(lo, lo + (q_min - WINDOW + 1 - lo) // BLOCK_N * BLOCK_N)
+        else:
+            first = lo
+        for start in range(first, hi, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k_ok = k_pos < hi
             page = tl.load(bt_ptr + b * bt_stride + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -166,11 +176,13 @@ def paged_attention(
     v_new: torch.Tensor | None = None,
     max_kv_len: int | None = None,  # host bound on kv_lens; None: pages in the block table
     batch_invariant: bool = False,
+    sinks: torch.Tensor | None = None,  # [Hq] learned attention-sink logits (gpt-oss); None: none
 ) -> torch.Tensor:
     """batch_invariant: one tile shape whatever the batch, and splits over fixed key positions (INVARIANT_CHUNK each)
     merged one after another in position order, so each query row folds the same key tiles (fixed boundaries from
     position 0) in the same order as it would alone; masked keys and splits past its position add exact zeros. A
-    row's output then depends neither on the rows batched with it nor on how many query rows its request has."""
+    row's output then depends neither on the rows batched with it nor on how many query rows its request has.
+    sinks: each head's sink logit joins the softmax's denominator in the merge (after the splits, in that order)."""
     T, HQ, D = q.shape
     HKV = k_cache.shape[1]
     B = kv_lens.shape[0]
@@ -200,28 +212,38 @@ def paged_attention(
         LAST_SPLIT=MAX_SPLITS - 1,
     )
     out = torch.empty_like(q)
+    has_sinks = sinks is not None
+    sink = sinks.float().contiguous() if has_sinks else m  # fp32 logits, as the scores are
     if batch_invariant:
-        _ordered_merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, splits, BLOCK_D=triton.next_power_of_2(D))
+        _ordered_merge_kernel[(T * HQ,)](acc, m, l, sink, out, T * HQ, D, splits, HQ=HQ, HAS_SINKS=has_sinks,
+                                         BLOCK_D=triton.next_power_of_2(D))
     else:
-        _merge_kernel[(T * HQ,)](acc, m, l, out, T * HQ, D, splits, BLOCK_S=MAX_SPLITS,
-                                 BLOCK_D=triton.next_power_of_2(D))
+        _merge_kernel[(T * HQ,)](acc, m, l, sink, out, T * HQ, D, splits, HQ=HQ, HAS_SINKS=has_sinks,
+                                 BLOCK_S=MAX_SPLITS, BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
 # The merges take the number of splits at run time (not as a constexpr): it follows the longest context of the batch,
 # and a kernel compiled per value put a Triton compile (~1 s) inside a step each time contexts grew past a new count.
 @triton.jit(do_not_specialize=["R", "SPLITS"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, o_ptr, R, D, SPLITS, HQ: tl.constexpr, HAS_SINKS: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (token, head) row: merge the split-K partials (weights exp(m_s - max m); empty splits have m = -inf and
-    contribute nothing; a row with no visible key gives 0) and normalize, in one kernel instead of ~8 torch ops."""
+    contribute nothing; a row with no visible key gives 0) and normalize, in one kernel instead of ~8 torch ops.
+    HAS_SINKS: the head's sink logit s joins the max and adds exp(s - max) to the denominator (no value)."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < SPLITS
     m = tl.load(m_ptr + s * R + row, mask=s_ok, other=float("-inf"))
     l = tl.load(l_ptr + s * R + row, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + row % HQ)
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(s_ok & (m > float("-inf")), tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)), 0.0)
     den = tl.sum(w * l, 0)
+    if HAS_SINKS:
+        den += tl.exp(sink - m_max)
     d = tl.arange(0, BLOCK_D)
     acc = tl.load(acc_ptr + (s[:, None] * R + row) * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(den == 0, 1.0, den)
@@ -229,11 +251,13 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_S: tl.conste
 
 
 @triton.jit(do_not_specialize=["R", "SPLITS"])
-def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_D: tl.constexpr):
+def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, o_ptr, R, D, SPLITS, HQ: tl.constexpr,
+                          HAS_SINKS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The merge of the batch-invariant mode: splits folded one at a time in position order (an online softmax over
     the partials), so the empty splits past a row's position, however many the batch has, change nothing (their
     weight is exp(-inf) = 0 and the running scale exp(0) = 1). A vector reduction over the splits would sum in an
-    order that depends on how many there are."""
+    order that depends on how many there are. HAS_SINKS: the head's sink is folded last, as one more partial with
+    max = the sink logit, sum 1 and no value: a fixed place whatever the batch."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -250,5 +274,11 @@ def _ordered_merge_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, R, D, SPLITS, BLOCK_D: t
         den = den * alpha + w * l_s
         out = out * alpha + w * a_s
         m_run = m_new
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + row % HQ + tl.zeros([1], tl.int64))
+        m_new = tl.maximum(m_run, sink)
+        alpha = tl.exp(m_run - m_new)  # m_new is finite: the sink is
+        den = den * alpha + tl.exp(sink - m_new)
+        out = out * alpha
     out = out / tl.where(den == 0, 1.0, den)
     tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)

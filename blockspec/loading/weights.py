@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ModelLoadError
+from blockspec.loading.mxfp4 import dequantized
 
 # Tensors some checkpoints carry that have no parameter here (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -17,6 +18,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str, prefix: str = "model.") -> None:
     """Load `tensors` (HF names) into `model`. `model.packed` maps HF projection names to (fused name, shard index);
     `model.shard_sizes(param)` gives the row split of a fused parameter."""
+    tensors = dequantized(tensors, source)  # MXFP4 `*_blocks` + `*_scales` pairs -> the dense tensor (gpt-oss)
     split = getattr(model, "checkpoint_tensors", None)  # a target family's own tensor layouts (drafters have none)
     if split is not None:
         tensors = split(tensors)
