@@ -58,7 +58,7 @@ def test_logits_and_taps_match_transformers(pair):
 
 def test_whole_sequence_forward_without_state(pair):
     """state=None: the rows are one sequence from position 0 (taps for training data, parity checks): the paged
-    path's numbers; continuing a sequence without its state is refused."""
+    path's numbers; continuing a sequence, or several sequences, without a RecurrentBatch is refused."""
     _, lm = pair
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
     cfg = lm.config
@@ -69,8 +69,9 @@ def test_whole_sequence_forward_without_state(pair):
         whole = lm.model(ids, pos, DenseCausalAttention(cache, pos, 40)).logits
     paged, _ = PagedRunner(lm.model, 1, 40).forward([(0, ids.tolist())])
     assert (whole - paged.logits).abs().max().item() <= 1e-6
-    with pytest.raises(ValueError, match="needs its RecurrentBatch"):
-        lm.model(ids[:3], pos[5:8], DenseCausalAttention(cache, pos[5:8], 8))
+    for p in (pos[5:8], torch.tensor([0, 1, 0, 1])):  # a continuation; two sequences
+        with pytest.raises(ValueError, match="needs the batch's RecurrentBatch"):
+            lm.model(ids[:len(p)], p, DenseCausalAttention(cache, p, 8))
 
 
 # ---- the delta rule and the conv on their own --------------------------------------------------------------------

@@ -114,8 +114,11 @@ class RecurrentBatch:
     def build(cls, state: RecurrentState, slots: torch.Tensor, query_start: torch.Tensor, positions: torch.Tensor,
               keep_rows: torch.Tensor | None = None) -> RecurrentBatch:
         """`fresh` from positions [T]: a sequence whose first row of this batch is position 0."""
-        first = query_start[:-1].long().clamp(max=max(positions.shape[0] - 1, 0))
-        fresh = (positions[first] == 0) & (query_start[1:] > query_start[:-1])
+        nonempty = query_start[1:] > query_start[:-1]
+        if positions.shape[0] == 0:
+            return cls(state, slots.long(), query_start, nonempty, keep_rows)
+        first = query_start[:-1].long().clamp(max=positions.shape[0] - 1)
+        fresh = (positions[first] == 0) & nonempty
         return cls(state, slots.long(), query_start, fresh, keep_rows)
 
     @classmethod

@@ -186,8 +186,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def shard_sizes(self, param: str) -> list[int]:
         if ".linear_attn.in_proj" in param:
             return self.hybrid.linear.in_proj_sizes()
-        if ".self_attn.qkv_proj" in param:
-            return list(self.layers[int(param.split(".")[1])].self_attn.sizes)
+        if ".self_attn.qkv_proj" in param:  # q_proj holds q and the output gate
+            cfg = self.config
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            return [2 * cfg.num_attention_heads * cfg.head_dim, kv, kv]
         return super().shard_sizes(param)
 
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -211,9 +213,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         state: RecurrentBatch | None = None,  # None: the rows are one sequence from position 0, state not kept
     ) -> ForwardOutput:
         delta = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        if state is None:
-            if positions.numel() and int(positions[0]) != 0:
-                raise ValueError("a hybrid model continuing a sequence needs its RecurrentBatch (state=)")
+        if state is None:  # only where the rows are a whole sequence: else its state, or other sequences', is lost
+            if not torch.equal(positions, torch.arange(positions.shape[0], device=positions.device)):
+                raise ValueError("a hybrid model needs the batch's RecurrentBatch (state=) unless the rows are one "
+                                 "sequence from position 0")
             state = RecurrentBatch.single(self.recurrent_shape(), delta.shape[0], delta.dtype, delta.device)
         cos, sin = self.rotary.cos_sin(positions, delta.dtype)  # [T, 1, rotary_dim]
         wanted = {l: i for i, l in enumerate(tap_layers)}
