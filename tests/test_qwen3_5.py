@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from blockspec.errors import ModelLoadError
 from blockspec.layers.gated_delta import chunked_rule, l2_normalize, recurrent_rule
@@ -189,11 +189,14 @@ def test_keep_rows_beyond_the_scratch_is_refused(dense_lm):
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_conditional_generation_checkpoint_loads(tmp_path, capfd, moe):
-    """A vision-language checkpoint (config.json's text_config, model.language_model.* and model.visual.* tensors)
-    loads its language model, saying once on stderr that vision inputs are not supported; its text logits are HF's."""
+    """A vision-language checkpoint (config.json's text_config, model.language_model.*, model.visual.* and mtp.*
+    tensors) loads its language model, saying once on stderr that vision inputs are not supported; its text logits are HF's."""
     hf = make_hf(5, moe=moe, conditional=True)
     d = save(hf, tmp_path / "cg")
     assert "text_config" in json.loads((d / "config.json").read_text())
+    tensors = load_file(str(d / "model.safetensors"))  # the hub's checkpoints carry a multi-token-prediction head too
+    assert any(k.startswith("model.visual.") for k in tensors)
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, str(d / "model.safetensors"))
     capfd.readouterr()
     lm = load_model(str(d), CPU)
     err = capfd.readouterr().err.strip().splitlines()
