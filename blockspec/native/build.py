@@ -143,10 +143,13 @@ def build(extra_flags: Sequence[str] = (), directory: Path | None = None) -> Bui
         if built:
             return Build(built[-1])
         marker = directory / f"{PREFIX}{source}-no-compiler.failed"
-        reason = f"no C compiler: CC={os.environ.get('CC', '')!r}, cc and gcc are not on PATH"
-        if marker.is_file():
+        if marker.is_file():  # said once already (once a compiler is on PATH, this marker is not read)
             return Build(None, marker.read_text().strip())
-        _write(marker, reason)
+        reason = f"no C compiler: neither {os.environ.get('CC') or 'cc'} nor gcc is on PATH"
+        try:
+            _write(marker, reason)
+        except OSError:
+            pass  # an unwritable cache: the next process says so again
         return _give_up(directory, reason)
     ident, reason, tried = _compiler_id(cc), None, False
     for flags in TRIES:
@@ -157,8 +160,8 @@ def build(extra_flags: Sequence[str] = (), directory: Path | None = None) -> Bui
         if failed.is_file():  # this compiler failed these flags before: not again
             reason = failed.read_text().strip()
             continue
-        log.info("blockspec: building the native CPU kernels (%s %s)", cc[0], " ".join(flags))
-        reason, tried = _compile(cc, lib, flags), True
+        log.info("blockspec: building the native CPU kernels (%s)", " ".join([*cc, *extra_flags, *flags]))
+        reason, tried = _compile(cc, lib, [*extra_flags, *flags]), True
         if reason is None:
             return Build(lib)
         log.info("blockspec: the native build with %r failed: %s", " ".join(flags), reason)

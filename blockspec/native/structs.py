@@ -55,9 +55,9 @@ class LayoutMismatch(RuntimeError):
     """A ctypes mirror differs from its C struct (the sources and this file were edited apart)."""
 
 
-def check_layout(dll: ctypes.CDLL) -> None:
-    """Every mirror's size and field offsets against the library's native_layout table; raises LayoutMismatch."""
-    for mirror in MIRRORS:
+def check_layout(dll: ctypes.CDLL, mirrors: tuple[type[ctypes.Structure], ...] = MIRRORS) -> None:
+    """Each mirror's size and field offsets against the library's native_layout table; raises LayoutMismatch."""
+    for mirror in mirrors:
         name = mirror._c_name_  # type: ignore[attr-defined]
         size = dll.native_layout(name.encode())
         if size != ctypes.sizeof(mirror):
