@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half layout) with default, linear, llama3 and yarn scaling.
+"""Rotary position embedding (neox / rotate-half layout) with default, linear, llama3, yarn and proportional (Gemma 4)
+scaling.
 
 The inverse-frequency formulas follow the published definitions of each scaling scheme so that our cos/sin equal
 those of the checkpoints' reference implementation bit for bit in fp32."""
@@ -71,7 +72,13 @@ def compute_inv_freq(
         return _llama3(inv, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_pos)
-    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+    if kind == "proportional":  # Gemma 4's global layers: the first partial_rotary_factor of the pairs rotate
+        rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        # the other pairs get frequency 0: cos 1, sin 0, so they pass through unrotated, exactly
+        inv = torch.cat([inv[:rotated], torch.zeros(head_dim // 2 - rotated, device="cpu")])
+        return inv / float(scaling.get("factor", 1.0)), 1.0
+    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn, "
+                         f"proportional)")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

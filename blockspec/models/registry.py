@@ -19,6 +19,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "blockspec.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "blockspec.models.qwen3_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "blockspec.models.gpt_oss:GptOssForCausalLM",
+    "Gemma4ForCausalLM": "blockspec.models.gemma4:Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration": "blockspec.models.gemma4:Gemma4ForConditionalGeneration",
     "Qwen3_5ForCausalLM": "blockspec.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "blockspec.models.qwen3_5:Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForCausalLM": "blockspec.models.qwen3_5_moe:Qwen3_5MoeForCausalLM",
