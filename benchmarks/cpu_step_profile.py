@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec.attention import paged_ref
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.demo import CPU_DRAFT_TOKENS, CPU_DRAFT_VOCAB, CPU_QUANT_DRAFT_TOKENS, DEMO_PROMPTS
 from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
@@ -60,7 +60,7 @@ def main() -> int:
         draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), num_draft_tokens=K,
                                              full_block_drafting=True, cpu_bf16_draft=cpu_packed.bf16_supported(cpu),
                                              draft_vocab_size=CPU_DRAFT_VOCAB), lm)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=1)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1))
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPTS[args.prompt]}])
     params = SamplingParams(max_tokens=args.max_tokens)
     llm.generate([ids], SamplingParams(max_tokens=8), use_tqdm=False)

@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.random_pair import make_pair
 from benchmarks.stage_times import observe
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
@@ -45,9 +46,10 @@ def measure(lm: LoadedModel, draft: LoadedDraft, batch: int, tau: float, prompts
     again timed; tokens/s and the host breakdown of the timed run."""
     mean_prompt = sum(map(len, prompts)) // len(prompts)
     kv = batch * (mean_prompt + max(p.max_tokens for p in params) + 2 * draft.spec.num_draft_tokens + 2)
-    llm = LLM.from_loaded(lm, draft, acceptance=ForcedAcceptance(tau), max_num_seqs=batch, kv_cache_tokens=kv,
-                          min_admit=max(1, batch // 16), max_num_batched_tokens=16384, split_mixed_steps=split,
-                          enable_prefix_caching=False)  # the timed run must not hit the warm-up's prompts
+    llm = LLM.from_loaded(lm, draft, acceptance=ForcedAcceptance(tau),
+                          engine=EngineConfig(max_num_seqs=batch, kv_cache_tokens=kv, min_admit=max(1, batch // 16),
+                                              max_num_batched_tokens=16384, split_mixed_steps=split,
+                                              enable_prefix_caching=False))  # the timed run must not hit the warm-up's prompts
     llm.generate(prompts, params, use_tqdm=False)
     host = observe(llm.engine)
     sync = torch.cuda.synchronize if lm.model.lm_head.weight.is_cuda else (lambda: None)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.data.prompts import encode_prompts
 from blockspec.engine.calibrate import measure_acceptance
@@ -38,15 +38,16 @@ from blockspec.speculative.schedule import derive_schedule, device_key, expected
 def per_position_acceptance(lm: LoadedModel, draft: LoadedDraft, prompts: list[list[int]], max_tokens: int,
                             K: int) -> list[float]:
     """p_1..p_K over every verify step of greedy decoding of `prompts` with K drafts (the engine's calibration)."""
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=min(16, len(prompts)), draft_len_schedule={1: K})
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=min(16, len(prompts)), draft_len_schedule={1: K}))
     return measure_acceptance(llm.engine, prompts, max_tokens)
 
 
 def step_seconds(lm: LoadedModel, draft: LoadedDraft, batch: int, K: int, context: int, steps: int) -> float:
     """Seconds per decode step of `batch` requests with K drafts each (prefill differenced out)."""
     vocab = lm.config.vocab_size
-    llm = LLM.from_loaded(lm, draft, acceptance=ForcedAcceptance(1.0), max_num_seqs=batch,
-                          draft_len_schedule={1: K}, kv_cache_tokens=batch * (context + 2 * steps + 2 * K + 64))
+    llm = LLM.from_loaded(lm, draft, acceptance=ForcedAcceptance(1.0),
+                          engine=EngineConfig(max_num_seqs=batch, draft_len_schedule={1: K},
+                                              kv_cache_tokens=batch * (context + 2 * steps + 2 * K + 64)))
     g = torch.Generator().manual_seed(batch * 100 + K)
 
     def prompts() -> list[list[int]]:  # fresh ones each run: no prefix-cache hit shortens a prefill

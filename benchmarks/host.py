@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.datagen import workload
 from benchmarks.random_pair import make_pair
+from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.llm import LLM
 
@@ -38,8 +39,10 @@ def decode_step_ms(batch: int, K: int, accept: int, new_tokens: int = 256) -> fl
     DecodeStep.forward = stand_in(accept)  # type: ignore[method-assign]
     try:
         prompts, _ = workload(batch, 500, (50, 300), (1, 1))
-        llm = LLM.from_loaded(lm, draft, max_num_seqs=batch, kv_cache_tokens=batch * (300 + new_tokens + 2 * K + 2),
-                              max_num_batched_tokens=1 << 20, min_admit=batch)
+        llm = LLM.from_loaded(lm, draft,
+                              engine=EngineConfig(max_num_seqs=batch,
+                                                  kv_cache_tokens=batch * (300 + new_tokens + 2 * K + 2),
+                                                  max_num_batched_tokens=1 << 20, min_admit=batch))
         engine = llm.engine
         params = workload(1, 500, (1, 1), (new_tokens, new_tokens))[1][0]
         for p in prompts:

@@ -7,13 +7,18 @@ from __future__ import annotations
 import sys
 import time
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_quant import kernel_name as cpu_quant_kernel
 from blockspec.llm import LLM
+from blockspec.loading import platform
 from blockspec.loading.detokenizer import IncrementalDecoder
-from blockspec.loading.loader import LoadConfig, LoadedModel, load_model, resolve_device
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.load_config import LoadConfig
+from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.platform import resolve_device
+from blockspec.loading.platform_report import summary
 from blockspec.sampling import SamplingParams
 
 CPU_DRAFT_TOKENS = 4
@@ -41,18 +46,26 @@ DEMO_PROMPTS = [
 ]
 
 
-def _load_bundled_draft(lm: LoadedModel, num_draft_tokens: int | None, on_cpu: bool, cpu_bf16: bool):
+def _bundled_draft(num_draft_tokens: int | None, on_cpu: bool, fp32_draft: bool) -> SpeculativeConfig | None:
+    """The bundled drafter with the demo's settings (the platform plan fills the rest: loading/platform.py), or None
+    where it is not there (a note says so; the demo then runs plain decoding only)."""
     from blockspec.loading.bundled_draft import bundled_draft_path
-    from blockspec.loading.draft_loader import load_draft
 
     try:
         path = bundled_draft_path()
     except ModelLoadError as e:
         print(f"note: {e}\nrunning plain decoding only", file=sys.stderr)
         return None
-    return load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=num_draft_tokens,
-                                        full_block_drafting=on_cpu, cpu_bf16_draft=cpu_bf16,
-                                        draft_vocab_size=CPU_DRAFT_VOCAB if on_cpu else None), lm)
+    # fp32_draft: the drafter in fp32 on CPUs with bf16 units too; else the plan's default (bf16 where it has them)
+    return SpeculativeConfig(draft_model=str(path), num_draft_tokens=num_draft_tokens,
+                             cpu_bf16_draft=False if fp32_draft else None,
+                             draft_vocab_size=CPU_DRAFT_VOCAB if on_cpu else None)
+
+
+def _load_draft(spec: SpeculativeConfig, lm: LoadedModel) -> LoadedDraft:
+    from blockspec.loading.draft_loader import load_draft
+
+    return load_draft(spec, lm)
 
 
 def _stream(llm: LLM, ids: list[int], params: SamplingParams, show: bool) -> tuple[list[int], list[int], float]:
@@ -78,40 +91,47 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     # on a CPU the target's linears are packed once for oneDNN (plain and spec alike): a step reads the weights
     # faster, and a verify step of K + 1 rows costs about what a 1-row step does (MKL's small GEMMs do not)
     packed = cpu_packed.fp32_supported(dev)
-    lm = load_model(model, LoadConfig(device=device, cpu_packed=packed, cpu_quant=cpu_quant if on_cpu else "off"))
-    assert lm.tokenizer is not None
+    load = LoadConfig(device=device, cpu_packed=packed, cpu_quant=cpu_quant if on_cpu else "off")
     if num_draft_tokens is None and on_cpu:
         # the drafter's 16-row pass is paid every step whatever K is, so K is where more drafts stop paying for
-        # themselves: K = 3, 4 and 5 measure within run-to-run noise of each other here (docs/perf.md)
-        num_draft_tokens = CPU_DRAFT_TOKENS if lm.cpu_quant == "off" else CPU_QUANT_DRAFT_TOKENS
-    # on a CPU with bf16 units the drafter runs in bf16 on weights packed once for oneDNN (a cheaper spec step): the
-    # fp32 target verifies every draft, so the outputs stay those of plain fp32 decoding
-    cpu_bf16 = on_cpu and not fp32_draft and cpu_packed.bf16_supported(dev)
-    # the drafter still drafts its trained block (16 rows through a few small layers, cheap next to verifying):
-    # its first drafts are accepted more often than those of a K + 1-row block (docs/training.md)
-    draft = _load_bundled_draft(lm, num_draft_tokens, on_cpu, cpu_bf16) if model is None else None
+        # themselves: K = 3, 4 and 5 measure within run-to-run noise of each other here (docs/results/)
+        quantized = platform.plan(load).cpu_quant != "off"
+        num_draft_tokens = CPU_QUANT_DRAFT_TOKENS if quantized else CPU_DRAFT_TOKENS
+    # the drafter drafts its trained block on the CPU (16 rows through a few small layers, cheap next to verifying:
+    # its first drafts are accepted more often than those of a K + 1-row block), in bf16 on weights packed once for
+    # oneDNN on a CPU with bf16 units (a cheaper spec step; the fp32 target verifies every draft, so the outputs stay
+    # those of plain fp32 decoding): the platform plan's drafting defaults, as LLM's and the commands'
+    spec = _bundled_draft(num_draft_tokens, on_cpu, fp32_draft) if model is None else None
+    asked = platform.plan(load, spec)
+    lm = load_model(model, load, asked)
+    draft = _load_draft(asked.speculative, lm) if asked.speculative is not None else None
+    plan = lm.plan.with_proposer(draft)
+    assert lm.tokenizer is not None
     fp32 = " (fp32, oneDNN-packed)" if packed else ""
     target = f" (fp32; linears: {cpu_quant_kernel(lm.cpu_quant)})" if lm.cpu_quant != "off" else fp32
-    drafter = f" + the bundled DFlash drafter{' (bf16, oneDNN-packed)' if cpu_bf16 else fp32}" if draft else ""
+    # the drafter's dtype as set up (beside a target on the native stack the native drafter runs: the plan's line)
+    bf16 = " (bf16, oneDNN-packed)" if asked.cpu_bf16_draft else fp32
+    drafter = f" + the bundled DFlash drafter{bf16}" if draft else ""
     print(f"loaded {lm.source.name}{target}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    plain = LLM.from_loaded(lm, None, max_num_seqs=1)
-    spec = LLM.from_loaded(lm, draft, max_num_seqs=1) if draft is not None else None
+    print(summary(plan), file=sys.stderr)
+    plain = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=1))
+    spec_llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1)) if draft is not None else None
     params = SamplingParams(max_tokens=max_tokens)
     warm = lm.tokenizer.encode("Hello")
-    for llm in (plain, spec):  # first-call costs (allocation, kernel selection) stay out of the timings
+    for llm in (plain, spec_llm):  # first-call costs (allocation, kernel selection) stay out of the timings
         if llm is not None:
             _stream(llm, warm, SamplingParams(max_tokens=4), show=False)
     totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "acc": [], "differ": 0}
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}\n", flush=True)
         ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        if spec is None:
+        if spec_llm is None:
             tokens, _, dt = _stream(plain, ids, params, show=True)
             totals["plain_tokens"] += len(tokens)
             totals["plain_s"] += dt
             print(f"\n[{len(tokens)} tokens in {dt:.2f}s, {len(tokens) / dt:.1f} tok/s]", flush=True)
             continue
-        tokens, acc, dt = _stream(spec, ids, params, show=True)
+        tokens, acc, dt = _stream(spec_llm, ids, params, show=True)
         ref, _, dt_plain = _stream(plain, ids, params, show=False)
         if ref != tokens:  # lossless by construction; say so loudly if it ever is not
             print("\n[warning: speculative output differs from plain decoding]", flush=True)
@@ -125,7 +145,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
         totals["plain_s"] += dt_plain
         totals["acc"] += acc
     plain_rate = totals["plain_tokens"] / totals["plain_s"]
-    if spec is None:
+    if spec_llm is None:
         print(f"\nplain decoding: {plain_rate:.1f} tok/s overall")
         return 0
     spec_rate = totals["spec_tokens"] / totals["spec_s"]

@@ -1,104 +1,112 @@
-"""LLM: the offline facade. LLM(model, speculative_config=...).generate(prompts, sampling_params)."""
+"""LLM: the offline facade. LLM(model, load=LoadConfig(...), speculative=..., engine=EngineConfig(...))
+.generate(prompts, sampling_params).
+
+Built in two steps, which the commands also take one at a time: load_models (the platform plan, loading/platform.py,
+then the target and its proposer as the plan says) and the engine (distributed/factory.make_engine: one device, with
+the draft length calibration, or tensor-parallel ranks)."""
 
 from __future__ import annotations
 
-import gc
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence as Seq
 
 from tqdm import tqdm
 
 from blockspec.config import AUTO, EngineConfig, SpeculativeConfig
-from blockspec.engine.llm_engine import LLMEngine
+from blockspec.distributed.factory import make_engine
+from blockspec.distributed.worker import ModelSpec
 from blockspec.engine.outputs import RequestOutput
-from blockspec.errors import BlockspecError, ConfigError
+from blockspec.errors import BlockspecError
+from blockspec.loading import platform
 from blockspec.loading.draft_loader import LoadedDraft
-from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
+from blockspec.loading.load_config import LoadConfig
+from blockspec.loading.loader import LoadedModel, load_model
+from blockspec.loading.platform import PlatformPlan
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy
 from blockspec.speculative.proposer import Proposer
-from blockspec.speculative.registry import load_proposer, method_of
+from blockspec.speculative.registry import load_proposer
+
+
+@dataclass
+class Models:
+    """A target and its proposer, loaded as the engine that runs them needs them (under tensor parallelism rank 0's
+    full copies on the CPU, sharded when the engine starts), and where they were read from (the other ranks read
+    them again)."""
+
+    lm: LoadedModel
+    draft: Proposer | LoadedDraft | None
+    sources: ModelSpec
+
+    @property
+    def plan(self) -> PlatformPlan:
+        """What runs them (loading/platform.py), the drafter included."""
+        return self.lm.plan.with_proposer(self.draft)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """K, the drafts a step verifies at most (0 without a proposer)."""
+        if self.draft is None:
+            return 0
+        return self.draft.spec.num_draft_tokens if isinstance(self.draft, LoadedDraft) else self.draft.num_draft_tokens
+
+
+def load_models(model: str | None = None, load: LoadConfig | None = None,
+                speculative: SpeculativeConfig | dict | None = None, tensor_parallel_size: int = 1) -> Models:
+    """The target at `model` (None: the bundled default) and the proposer `speculative` asks for, loaded in the
+    variants the platform plan chooses, with its drafting defaults for the options left unset (on the CPU a DFlash
+    drafter drafts full blocks, in bf16 where the CPU has bf16 units). What cannot run is refused before any weight
+    is read."""
+    load = load or LoadConfig()
+    plan = platform.plan(load, speculative, tensor_parallel_size=tensor_parallel_size)
+    sources = ModelSpec(model, load, plan.speculative)
+    if tensor_parallel_size > 1:
+        lm, draft = sources.load_models(with_tokenizer=load.with_tokenizer)
+        lm.plan = plan  # what the ranks run (on the device asked), not the CPU this copy waits on
+        return Models(lm, draft, sources)
+    lm = load_model(model, load, plan)
+    draft = load_proposer(plan.speculative, lm) if plan.speculative is not None else None
+    return Models(lm, draft, sources)
 
 
 class LLM:
-    def __init__(self, model: str | None = None, speculative_config: SpeculativeConfig | dict | None = None,
-                 device: str | None = None, dtype: str | None = None, cpu_packed: bool = False,
-                 batch_invariant: bool = False, cpu_quant: str = "off", **engine_config) -> None:
-        """cpu_packed: on the CPU, the target's linears packed once for oneDNN (faster steps, same dtype; see
-        layers/cpu_packed.py). batch_invariant: on the GPU, the target computed the same way whatever the batch
-        (layers/invariant_linear.py): greedy speculative output equals plain decoding in bf16 too. cpu_quant:
-        auto | q8 | q4 | off, on the CPU the target's linears on packed int8 / int4 weights (layers/cpu_quant.py)."""
-        if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig(**speculative_config)
-        # a user who turns speculation on never gets a slower engine: K per batch size measured on this machine
-        config = EngineConfig(**{"draft_len_schedule": AUTO, **engine_config})
-        self.tp, self.calibration = None, None
-        if config.tensor_parallel_size > 1:  # this process becomes rank 0 of N (docs/tensor-parallel.md)
-            if cpu_packed:
-                raise ConfigError("cpu_packed=True is not supported with tensor_parallel_size > 1 (packed linears "
-                                  "cannot be sharded)")
-            if cpu_quant != "off":
-                raise ConfigError(f"cpu_quant={cpu_quant!r} is not supported with tensor_parallel_size > 1 "
-                                  f"(quantized linears cannot be sharded)", field="cpu_quant")
-            if batch_invariant:
-                raise ConfigError("batch_invariant=True is not supported with tensor_parallel_size > 1 (the sharded "
-                                  "linears and all-reduces are not batch-invariant)")
-            if speculative_config is not None and method_of(speculative_config) != "dflash":
-                raise ConfigError(f"speculative method {method_of(speculative_config)!r} is not supported with "
-                                  f"tensor_parallel_size > 1 (only 'dflash' drafters are sharded)", field="method")
-            if speculative_config is not None and speculative_config.cpu_bf16_draft:
-                raise ConfigError("cpu_bf16_draft=True is not supported with tensor_parallel_size > 1 (the packed "
-                                  "bf16 drafter cannot be sharded)")
-            from blockspec.distributed.launch import TensorParallelSession
-            from blockspec.distributed.worker import ModelSpec
-
-            # the ranks mirror rank 0's runner calls: a calibration would run every one of them; the drafter's table
-            # for this device (if any) or K throughout
-            if config.draft_len_schedule == AUTO:
-                config = replace(config, draft_len_schedule=None)
-            self.tp = TensorParallelSession(ModelSpec(model, speculative_config, device, dtype), config)
-            self.lm, self.engine = self.tp.lm, self.tp.engine
-            self.tokenizer = self.lm.tokenizer
-            return
-        self.lm = load_model(model, LoadConfig(device=device, dtype=dtype, cpu_packed=cpu_packed,
-                                               batch_invariant=batch_invariant, cpu_quant=cpu_quant))
-        self.tokenizer = self.lm.tokenizer
-        proposer = load_proposer(speculative_config, self.lm) if speculative_config is not None else None
-        self.engine = LLMEngine(self.lm, proposer, config)
-        self._calibrate(config)
+    def __init__(self, model: str | None = None, *, load: LoadConfig | None = None,
+                 speculative: SpeculativeConfig | dict | None = None, engine: EngineConfig | None = None) -> None:
+        """model: an HF directory, .gguf file or hub id (None: the bundled default). load: where and how the target
+        runs (LoadConfig: device, dtype, cpu_packed, cpu_quant, batch_invariant). speculative: the drafter (a
+        SpeculativeConfig or its fields as a dict; None: plain decoding). engine: the batched engine
+        (EngineConfig); its draft_len_schedule None is read as "auto" here: a user who turns speculation on never
+        gets a slower engine (K per batch size measured on this machine, engine/calibrate.py)."""
+        engine = engine or EngineConfig()
+        if engine.draft_len_schedule is None:
+            engine = replace(engine, draft_len_schedule=AUTO)
+        models = load_models(model, load, speculative, engine.tensor_parallel_size)
+        self._start(models.lm, models.draft, engine, None, models.sources)
 
     @classmethod
     def from_loaded(cls, lm: LoadedModel, draft: Proposer | LoadedDraft | None = None,
-                    acceptance: AcceptancePolicy | None = None, **engine_config) -> LLM:
+                    acceptance: AcceptancePolicy | None = None, engine: EngineConfig | None = None,
+                    sources: ModelSpec | None = None) -> LLM:
         """Wrap an already loaded target (and draft) without reading any files again. acceptance: see LLMEngine
-        (benchmarks force one; users keep the default)."""
+        (benchmarks force one; users keep the default). engine: as given (draft_len_schedule None: the drafter's
+        table for this device, else K throughout). sources: where they were read from (load_models(...).sources),
+        needed by tensor parallelism only, whose ranks read them again."""
         self = cls.__new__(cls)
-        self.lm, self.tokenizer, self.tp, self.calibration = lm, lm.tokenizer, None, None
-        config = EngineConfig(**engine_config)
-        self.engine = LLMEngine(lm, draft, config, acceptance)
-        self._calibrate(config)
+        self._start(lm, draft, engine or EngineConfig(), acceptance, sources)
         return self
 
-    def _calibrate(self, config: EngineConfig) -> None:
-        """draft_len_schedule="auto": the draft length per batch size for this machine (engine/calibrate.py), kept
-        in self.calibration for callers to report."""
-        if config.draft_len_schedule == AUTO and self.engine.proposer is not None:
-            from blockspec.engine.calibrate import auto_schedule
-
-            self.calibration = auto_schedule(self.engine)
-            if self.calibration.drafts_nothing:
-                # no draft length pays at any batch size on this machine: the plain engine, since a drafter kept at
-                # K = 0 still appends its context every step (~5 % of a q4 CPU step, measured) for nothing
-                self.engine = None
-                gc.collect()  # the speculative engine's KV pool goes before the plain one is allocated
-                self.engine = LLMEngine(self.lm, None, config)
-            else:
-                self.engine.set_draft_len_schedule(self.calibration.schedule)
+    def _start(self, lm: LoadedModel, draft: Proposer | LoadedDraft | None, config: EngineConfig,
+               acceptance: AcceptancePolicy | None, sources: ModelSpec | None) -> None:
+        built = make_engine(lm, draft, config, acceptance, sources)
+        self.lm, self.engine, self.calibration, self._session = built.lm, built.engine, built.calibration, built.session
+        self.tokenizer = self.lm.tokenizer
+        # what runs (loading/platform.py), the drafter included: the commands' stderr line, generate --explain
+        self.plan: PlatformPlan = lm.plan.with_proposer(draft)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (a no-op on one device; also done at exit)."""
-        if self.tp is not None:
-            self.tp.close()
+        if self._session is not None:
+            self._session.close()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

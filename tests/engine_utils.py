@@ -13,7 +13,7 @@ from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import LoadConfig, load_model
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from dflash_utils import make_zlab_draft
@@ -113,7 +113,8 @@ def one_device_and_tp2(lm, draft, prompts, params) -> tuple[list, list]:
     LLM(tensor_parallel_size=2) on the CPU (gloo ranks loading the same target and drafter directories)."""
     want = [(o.token_ids, o.acceptance_lengths)
             for o in LLM.from_loaded(lm, draft).generate(prompts, params, use_tqdm=False)]
-    tp = LLM(str(lm.source.path), {"draft_model": str(draft.source)}, device="cpu", tensor_parallel_size=2)
+    tp = LLM(str(lm.source.path), speculative={"draft_model": str(draft.source)}, load=LoadConfig(device="cpu"),
+             engine=EngineConfig(tensor_parallel_size=2))
     try:
         got = [(o.token_ids, o.acceptance_lengths) for o in tp.generate(prompts, params, use_tqdm=False)]
     finally:

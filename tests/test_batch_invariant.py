@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 from blockspec.attention.backends import get_backend  # noqa: E402
 from blockspec.attention.triton_paged import paged_attention  # noqa: E402
+from blockspec.config import EngineConfig
 from blockspec.errors import BlockspecError, ConfigError  # noqa: E402
 from blockspec.layers import kernels  # noqa: E402
 from blockspec.layers.invariant_linear import (InvariantLinear, Tile, invariant_linear,  # noqa: E402
@@ -92,7 +93,7 @@ def test_torch_attention_backend_and_tensor_parallel_are_refused():
     with pytest.raises(ConfigError, match="batch-invariant target needs attention_backend='triton'.*got 'torch'"):
         get_backend("torch", torch.device("cpu"), batch_invariant=True)
     with pytest.raises(ConfigError, match="batch_invariant=True is not supported with tensor_parallel_size > 1"):
-        LLM(None, batch_invariant=True, tensor_parallel_size=2)
+        LLM(None, load=LoadConfig(batch_invariant=True), engine=EngineConfig(tensor_parallel_size=2))
 
 
 def test_make_batch_invariant_keeps_parameters_and_ties():
@@ -132,8 +133,9 @@ def test_spec_equals_plain_at_every_batch_size(dtype, monkeypatch):
     params = SamplingParams(max_tokens=48 if CUDA else 12, ignore_eos=True)
 
     def run(d, seqs):
-        llm = LLM.from_loaded(lm, d, max_num_seqs=seqs, block_size=8, attention_backend="triton",
-                              enforce_eager=not CUDA)
+        llm = LLM.from_loaded(lm, d,
+                              engine=EngineConfig(max_num_seqs=seqs, block_size=8, attention_backend="triton",
+                                                  enforce_eager=not CUDA))
         return llm.generate(prompts, params, use_tqdm=False)
 
     one = [o.token_ids for o in run(None, 1)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from blockspec.attention.torch_ref import attend
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import ConfigError, ModelLoadError
 from oracles import generate
 from blockspec.layers import cpu_packed
@@ -111,12 +111,11 @@ def test_trained_drafter_in_bf16_is_lossless_and_accepted(k):
         assert out.token_ids == ref
         tau = sum(out.acceptance_lengths) / len(out.acceptance_lengths)
         assert tau > (3.0 if k == 3 else 5.0), (k, tau, out.acceptance_lengths)  # as the fp32 drafter (3.9, 7.8)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4))
     pool = llm.engine.pool
     assert pool.k.dtype == torch.float32 and pool.draft_k.dtype == pool.draft_v.dtype == torch.bfloat16
     assert [o.token_ids for o in llm.generate(prompts, greedy(40), use_tqdm=False)] == refs
-    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
-    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    varlen = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4, step_path="varlen"))
     outs = varlen.generate(prompts, greedy(40), use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
     assert max(a for o in outs for a in o.acceptance_lengths) == k + 1
@@ -146,7 +145,7 @@ def test_load_draft_packs_and_a_random_drafter_stays_lossless(tiny_pair):
     prompts = [[5, 9, 2, 77, 31], list(range(40, 90))]
     refs = [generate(lm, p, greedy(24)).token_ids for p in prompts]
     assert [spec_generate(lm, draft, p, greedy(24)).token_ids for p in prompts] == refs
-    outs = LLM.from_loaded(lm, draft, max_num_seqs=2).generate(prompts, greedy(24), use_tqdm=False)
+    outs = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=2)).generate(prompts, greedy(24), use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
 
 
@@ -181,4 +180,5 @@ def test_cpu_bf16_draft_errors_name_the_flag(tiny_pair, monkeypatch):
         load_draft(spec, lm)
     # tensor parallelism shards the drafter's nn.Linear layers, which packing replaces: refused before a rank starts
     with pytest.raises(ConfigError, match=r"^cpu_bf16_draft=True is not supported with tensor_parallel_size > 1"):
-        LLM(str(draft_dir.parent / "target"), spec, device="cpu", tensor_parallel_size=2)
+        LLM(str(draft_dir.parent / "target"), speculative=spec, load=LoadConfig(device="cpu"),
+            engine=EngineConfig(tensor_parallel_size=2))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 from oracles import generate
 from blockspec.layers import cpu_packed
@@ -109,10 +109,9 @@ def test_packed_target_is_lossless_with_every_drafter(packed_pair, drafter):
     out = spec_generate(lm, draft, prompts[0], greedy(40))
     assert out.token_ids == refs[0]
     assert sum(out.acceptance_lengths) / len(out.acceptance_lengths) > 3.0, out.acceptance_lengths
-    assert [o.token_ids for o in LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    assert [o.token_ids for o in LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4))
             .generate(prompts, greedy(40), use_tqdm=False)] == refs
-    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
-    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    varlen = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4, step_path="varlen"))
     assert [o.token_ids for o in varlen.generate(prompts, greedy(40), use_tqdm=False)] == refs
 
 
@@ -152,7 +151,8 @@ def test_cpu_packed_errors_name_the_flag(tmp_path, monkeypatch):
                                              r"with bf16 kernels\), not torch.float16$"):
         load_model(str(tmp_path / "t"), LoadConfig(device="cpu", dtype="float16", cpu_packed=True))
     with pytest.raises(ConfigError, match=r"^cpu_packed=True is not supported with tensor_parallel_size > 1"):
-        LLM(str(tmp_path / "t"), device="cpu", cpu_packed=True, tensor_parallel_size=2)
+        LLM(str(tmp_path / "t"), load=LoadConfig(device="cpu", cpu_packed=True),
+            engine=EngineConfig(tensor_parallel_size=2))
     monkeypatch.setattr(cpu_packed, "fp32_supported", lambda device: False)
     with pytest.raises(BlockspecError, match=r"^cpu_packed=True \(--cpu-packed\) needs a CPU with oneDNN, but this "
                                              r"torch build cannot pack linears for oneDNN \(mkldnn\)$"):

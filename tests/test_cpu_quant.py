@@ -16,7 +16,7 @@ from torch import nn
 from blockspec.attention.backends import ROWWISE
 from blockspec.attention.torch_ref import attend
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.layers import cpu_quant
 from blockspec.layers.cpu_quant import Int4Linear, Int8Linear, QuantLinear, quantize, reference_weight
@@ -252,20 +252,19 @@ def test_speculative_output_equals_plain_under_the_quantized_path(trained_draft_
     lm = load_model(str(pair.lm.source.path),
                     LoadConfig(device="cpu", with_tokenizer=False, cpu_packed=True, cpu_quant=mode))
     prompts = [[14, 15, 16, 17], CYCLE_B[7:12], cycle_seq(CYCLE_A, 3, 30), [3, 50, 21, 7, 44, 12, 60]]
-    refs = [o.token_ids for o in LLM.from_loaded(lm, None, max_num_seqs=4, block_size=4)
+    refs = [o.token_ids for o in LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=4, block_size=4))
             .generate(prompts, greedy(40), use_tqdm=False)]
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=5, draft_vocab_size=vocab), lm)
     assert isinstance(draft.model.greedy_head, OwnHead) == (vocab is not None)
     if vocab is not None:
         assert isinstance(draft.model.greedy_head.proj, QuantLinear)
         assert torch.equal(draft.model.greedy_head.proj(torch.eye(64)), lm.model.lm_head(torch.eye(64))[:, :vocab])
-    spec = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
-    assert spec.engine.runner.models.backend is ROWWISE  # verify rows computed as decode rows are
+    spec = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4))
+    assert spec.engine.models.backend is ROWWISE  # verify rows computed as decode rows are
     outs = spec.generate(prompts, greedy(40), use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
     assert sum(outs[0].acceptance_lengths) / len(outs[0].acceptance_lengths) > 3.0
-    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
-    varlen.engine.runner.decode.eligible = lambda scheduled: None
+    varlen = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4, step_path="varlen"))
     assert [o.token_ids for o in varlen.generate(prompts, greedy(40), use_tqdm=False)] == refs
 
 
@@ -275,7 +274,7 @@ def test_bad_values_fail_with_one_line_naming_the_flag(tmp_path, monkeypatch, ca
     with pytest.raises(ConfigError, match=r"^cpu_quant='q5' \(--cpu-quant\) is not one of auto, q8, q4, off$"):
         load_model(str(src), LoadConfig(device="cpu", cpu_quant="q5"))
     with pytest.raises(ConfigError, match=r"^cpu_quant='q4' is not supported with tensor_parallel_size > 1"):
-        LLM(str(src), device="cpu", cpu_quant="q4", tensor_parallel_size=2)
+        LLM(str(src), load=LoadConfig(device="cpu", cpu_quant="q4"), engine=EngineConfig(tensor_parallel_size=2))
     assert main(["demo", "--cpu-quant", "int4", "--max-tokens", "1"]) == 2
     assert capsys.readouterr().err == ("blockspec: error: cpu_quant='int4' (--cpu-quant) is not one of auto, q8, q4, "
                                        "off\n")
@@ -317,8 +316,10 @@ def test_the_bundled_pair_quantized():
                                              cpu_bf16_draft=cpu_packed.bf16_supported(CPU)), lm)
         prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in (DEMO_PROMPTS[0], DEMO_PROMPTS[9])]
-        plain = LLM.from_loaded(lm, None, max_num_seqs=1).generate(prompts, greedy(48), use_tqdm=False)
-        spec = LLM.from_loaded(lm, draft, max_num_seqs=1).generate(prompts, greedy(48), use_tqdm=False)
+        plain = LLM.from_loaded(lm, None,
+                                engine=EngineConfig(max_num_seqs=1)).generate(prompts, greedy(48), use_tqdm=False)
+        spec = LLM.from_loaded(lm, draft,
+                               engine=EngineConfig(max_num_seqs=1)).generate(prompts, greedy(48), use_tqdm=False)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain], mode
         acc = [a for o in spec for a in o.acceptance_lengths]
         assert sum(acc) / len(acc) > 1.5, (mode, acc)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import blockspec.train.data_builder as builder
+from blockspec.config import EngineConfig
 from blockspec.data.eval_prompts import load_eval_items, load_eval_prompts
 from blockspec.data.prompts import encode_prompts
 from blockspec.data.shards import read_manifest, read_shards
@@ -58,7 +59,8 @@ def target(tmp_path_factory):
 def greedy_reference(lm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(templated prompt ids, greedy response) per prompt, from the engine run one request at a time."""
     ids = [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outs = LLM.from_loaded(lm, max_num_seqs=1).generate(ids, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    outs = LLM.from_loaded(lm, engine=EngineConfig(max_num_seqs=1)).generate(ids, SamplingParams(max_tokens=max_tokens),
+                                                                             use_tqdm=False)
     return [(i, o.token_ids) for i, o in zip(ids, outs)]
 
 

@@ -9,6 +9,7 @@ import re
 import pytest
 
 import blockspec.loading.bundled_draft as bundled_draft
+from blockspec.config import EngineConfig
 from blockspec.demo import CPU_DRAFT_TOKENS, CPU_DRAFT_VOCAB, DEMO_PROMPTS, run_demo
 from blockspec.train.export import init_draft
 
@@ -60,24 +61,27 @@ def test_the_bundled_drafter_is_lossless_and_accepted():
     path = bundled_draft.bundled_draft_path()
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPTS[0]}])
     params = SamplingParams(max_tokens=48)
-    plain = LLM.from_loaded(lm, None, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
+    plain = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=1)).generate([ids], params, use_tqdm=False)[0]
     bf16 = [True] if cpu_packed.bf16_supported(torch.device("cpu")) else []
     for cpu_bf16 in [False, *bf16]:
         draft = load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=15, cpu_bf16_draft=cpu_bf16), lm)
         assert draft.config.block_size == 16 and draft.spec.target_layer_ids == [1, 8, 14, 20, 27]
         assert draft.model.dtype == (torch.bfloat16 if cpu_bf16 else torch.float32)
-        spec = LLM.from_loaded(lm, draft, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
+        spec = LLM.from_loaded(lm, draft,
+                               engine=EngineConfig(max_num_seqs=1)).generate([ids], params, use_tqdm=False)[0]
         assert spec.token_ids == plain.token_ids, cpu_bf16
         acc = spec.acceptance_lengths
         assert sum(acc) / len(acc) > 1.5, (cpu_bf16, acc)
     if cpu_packed.fp32_supported(torch.device("cpu")):  # the demo's set-up: packed target, its K and draft rows
         lm = load_model(None, LoadConfig(device="cpu", cpu_packed=True))
-        assert LLM.from_loaded(lm, None, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0].token_ids == \
+        one = EngineConfig(max_num_seqs=1)
+        assert LLM.from_loaded(lm, None, engine=one).generate([ids], params, use_tqdm=False)[0].token_ids == \
             plain.token_ids
         draft = load_draft(SpeculativeConfig(draft_model=str(path), num_draft_tokens=CPU_DRAFT_TOKENS,
                                              full_block_drafting=True, cpu_bf16_draft=bool(bf16),
                                              draft_vocab_size=CPU_DRAFT_VOCAB), lm)
-        spec = LLM.from_loaded(lm, draft, max_num_seqs=1).generate([ids], params, use_tqdm=False)[0]
+        spec = LLM.from_loaded(lm, draft,
+                               engine=EngineConfig(max_num_seqs=1)).generate([ids], params, use_tqdm=False)[0]
         assert spec.token_ids == plain.token_ids
         assert sum(spec.acceptance_lengths) / len(spec.acceptance_lengths) > 1.5, spec.acceptance_lengths
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError
 from blockspec.layers import cpu_packed
 from blockspec.llm import LLM
@@ -185,7 +185,8 @@ def test_engine_matches_reference(trained2, stagger, pool):
     prompts, params = cycle_workload(10, seed=5, max_len=60, max_tokens=(24, 40))
     K = draft.spec.num_draft_tokens
     kw = dict(num_kv_blocks=60) if pool == "tight" else dict(num_kv_blocks=400)
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_seqs=6, max_num_batched_tokens=6 * (K + 1), **kw)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=4, max_num_seqs=6, max_num_batched_tokens=6 * (K + 1), **kw))
     run = Run(llm)
     outs = run.run(prompts, params, stagger=stagger)
     assert (llm.engine.scheduler.num_preemptions > 0) == (pool == "tight")
@@ -202,7 +203,7 @@ def test_engine_prefix_cache_matches_reference(trained2):
     prefix = cycle_seq(CYCLE_A, 3, 41)
     a, b = prefix + cycle_seq(CYCLE_A, 44, 3), prefix + cycle_seq(CYCLE_A, 44, 7)
     sp = SamplingParams(max_tokens=32, ignore_eos=True)
-    llm = LLM.from_loaded(lm, trained2[3], block_size=8, max_num_batched_tokens=256)
+    llm = LLM.from_loaded(lm, trained2[3], engine=EngineConfig(block_size=8, max_num_batched_tokens=256))
     bm = llm.engine.blocks
     first = llm.generate([a], sp, use_tqdm=False)[0]
     hits = bm.prefix_hits
@@ -233,8 +234,7 @@ def test_engine_overlap_matches_reference(trained2):
 
     lm, _, _, draft = trained2
     prompts, params = cycle_workload(8, seed=9, max_len=40, max_tokens=(24, 40))
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_seqs=5)
-    llm.engine.overlap = True
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=4, max_num_seqs=5, overlap=True))
     outs = Run(llm).run(prompts, params, stagger=2)
     assert check_outputs(trained2, prompts, params, outs) > 2.5
 

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.loading.loader import LoadConfig, load_model
@@ -81,7 +81,7 @@ def exact_joint(lm, prompt: list[int], n: int, temperature: float, top_k: int, t
 
 def engine_samples(lm, draft, n: int, params: dict, seed0: int = 0):
     """n seeded requests through one batched engine -> (joint counts, accepted drafts per verify step)."""
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=64, max_num_batched_tokens=64 * (K + 1))
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=64, max_num_batched_tokens=64 * (K + 1)))
     outs = llm.generate([PROMPT] * n, [SamplingParams(seed=seed0 + i, max_tokens=N_TOKENS, ignore_eos=True,
                                                       **params) for i in range(n)], use_tqdm=False)
     counts: Counter = Counter()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import ConfigError
 from blockspec.evaluation.throughput import bench as run_bench
 from blockspec.llm import LLM
@@ -76,20 +76,23 @@ def test_the_engine_drafts_as_the_drafters_schedule_says_with_unchanged_output(d
     shutil.copytree(draft_dir, directory)
     install_schedule(directory, CPU, {"schedule": {"1": 3, "3": 0}})
     draft = load_draft(SpeculativeConfig(draft_model=str(directory), num_draft_tokens=5), lm)
-    assert LLM.from_loaded(lm, draft, draft_len_schedule={1: 2}).engine.config.draft_len_schedule == {1: 2}
-    assert LLM.from_loaded(lm, draft, draft_len_schedule="off").engine.config.draft_len_schedule is None  # K throughout
-    spec = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
+    given = LLM.from_loaded(lm, draft, engine=EngineConfig(draft_len_schedule={1: 2}))
+    assert given.engine.config.draft_len_schedule == {1: 2}
+    off = LLM.from_loaded(lm, draft, engine=EngineConfig(draft_len_schedule="off"))
+    assert off.engine.config.draft_len_schedule is None  # K throughout
+    spec = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4))
     assert spec.engine.config.draft_len_schedule == {1: 3, 3: 0}
     prompts = [cycle_seq(CYCLE_A, 0, 6), cycle_seq(CYCLE_B, 2, 9), cycle_seq(CYCLE_A, 3, 5), [3, 50, 21, 7, 44]]
     params = [SamplingParams(max_tokens=n) for n in (8, 16, 30, 40)]
-    plain = LLM.from_loaded(lm, None, max_num_seqs=4, block_size=4).generate(prompts, params, use_tqdm=False)
+    plain = LLM.from_loaded(lm, None,
+                            engine=EngineConfig(max_num_seqs=4, block_size=4)).generate(prompts, params, use_tqdm=False)
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     longest = outs[3].acceptance_lengths
     assert longest[0] == 1 and max(longest) > 2  # no drafts among 4 requests, accepted drafts once alone
     default = LLM.from_loaded(lm, load_draft(SpeculativeConfig(draft_model=str(draft_dir)), lm))
     assert default.engine.config.draft_len_schedule is None  # a directory without the file: as before
-    report = run_bench(lm, draft, prompts[:2], params[:2], repeats=1, max_num_seqs=4, block_size=4)
+    report = run_bench(lm, draft, prompts[:2], params[:2], repeats=1, engine=EngineConfig(max_num_seqs=4, block_size=4))
     assert report["spec"]["draft_len_schedule"] == {1: 3, 3: 0}  # the report says which draft lengths it ran
     assert report["plain"]["draft_len_schedule"] is None
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
 from blockspec.sampling import SamplingParams
@@ -101,7 +101,8 @@ def test_target_as_its_own_draft_model_accepts_every_draft(ckpts):
     assert isinstance(proposer, DraftModelProposer) and proposer.num_draft_tokens == K
     prompts, _ = workload(8, seed=13)
     params = SamplingParams(max_tokens=1 + 6 * (K + 1), ignore_eos=True)
-    outs = LLM.from_loaded(ckpts.lm, proposer, max_num_seqs=4, block_size=4).generate(prompts, params, use_tqdm=False)
+    outs = LLM.from_loaded(ckpts.lm, proposer,
+                           engine=EngineConfig(max_num_seqs=4, block_size=4)).generate(prompts, params, use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.token_ids == generate(ckpts.lm, p, params).token_ids
         assert o.acceptance_lengths == [K + 1] * 6 and o.mean_acceptance_length == K + 1
@@ -112,7 +113,8 @@ def test_seeded_sampling_equals_plain(ckpts, drafters, name):
     prompts, _ = workload(9, seed=14)
     params = seeded_params(9, seed=14)
     if name == "other":  # nothing gets accepted: only the equality is checked
-        llm = LLM.from_loaded(ckpts.lm, DraftModelProposer(drafters[name], K), max_num_seqs=4, block_size=4)
+        llm = LLM.from_loaded(ckpts.lm, DraftModelProposer(drafters[name], K),
+                              engine=EngineConfig(max_num_seqs=4, block_size=4))
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outs] == [generate(ckpts.lm, p, sp).token_ids for p, sp in zip(prompts, params)]
     else:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import ConfigError
 from oracles import generate
 from blockspec.llm import LLM
@@ -109,7 +109,8 @@ def test_engine_and_single_request_lossless_with_draft_vocab(head):
     refs = [generate(lm, p, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids for p in prompts]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     singles = [spec_generate(lm, draft, p, params) for p in prompts]
-    outs = LLM.from_loaded(lm, draft, max_num_seqs=3, block_size=4).generate(prompts, params, use_tqdm=False)
+    outs = LLM.from_loaded(lm, draft,
+                           engine=EngineConfig(max_num_seqs=3, block_size=4)).generate(prompts, params, use_tqdm=False)
     for ref, single, out in zip(refs, singles, outs):
         assert single.token_ids == out.token_ids == ref
         assert all(t < 30 for step in single.steps + out.steps for t in step.draft)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq
 
@@ -34,8 +35,10 @@ BUDGET = {1: 24, 3: 40, 16: 64}
 def test_batched_greedy_equals_plain(tiny, workload, with_draft, block_size, stagger):
     lm, draft = tiny
     prompts, params = workload
-    llm = LLM.from_loaded(lm, draft if with_draft else None, block_size=block_size, max_num_seqs=32,
-                          max_num_batched_tokens=BUDGET[block_size], num_kv_blocks=7000 // block_size)
+    llm = LLM.from_loaded(lm, draft if with_draft else None,
+                          engine=EngineConfig(block_size=block_size, max_num_seqs=32,
+                                              max_num_batched_tokens=BUDGET[block_size],
+                                              num_kv_blocks=7000 // block_size))
     run = Run(llm)
     outs = run.run(prompts, params, stagger=stagger)
     assert_equal_plain(lm, prompts, params, outs)
@@ -59,8 +62,9 @@ def test_trained_drafter_accepts_inside_a_batch_with_chunked_prefill(trained, st
     requests accept long runs in the same step. The cycle prompts share blocks, so the prefix cache hits."""
     lm, draft = trained
     prompts, params = cycle_workload(16, seed=1)
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_seqs=16, max_num_batched_tokens=24, num_kv_blocks=1200,
-                          enable_prefix_caching=prefix_caching)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=4, max_num_seqs=16, max_num_batched_tokens=24,
+                                              num_kv_blocks=1200, enable_prefix_caching=prefix_caching))
     run = Run(llm)
     outs = run.run(prompts, params, stagger=stagger)
     assert_equal_plain(lm, prompts, params, outs)
@@ -77,8 +81,9 @@ def test_acceptance_lengths_equal_single_request_spec(trained, block_size):
     lm, draft = trained
     prompts, params = cycle_workload(12, seed=2)
     K = draft.spec.num_draft_tokens
-    llm = LLM.from_loaded(lm, draft, block_size=block_size, max_num_seqs=4, max_num_batched_tokens=4 * (K + 1) + 8,
-                          num_kv_blocks=4000 // block_size)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=block_size, max_num_seqs=4,
+                                              max_num_batched_tokens=4 * (K + 1) + 8, num_kv_blocks=4000 // block_size))
     outs = Run(llm).run(prompts, params, stagger=1)
     assert_equal_spec(lm, draft, prompts, params, outs)
     assert_equal_plain(lm, prompts, params, outs)
@@ -88,7 +93,8 @@ def test_acceptance_lengths_equal_single_request_spec(trained, block_size):
 def test_stream_deltas_and_generate_order(tiny, workload):
     lm, draft = tiny
     prompts, params = workload[0][:8], workload[1][:8]
-    llm = LLM.from_loaded(lm, draft, block_size=8, max_num_batched_tokens=48, enable_prefix_caching=False)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=8, max_num_batched_tokens=48, enable_prefix_caching=False))
     got: dict[str, list[int]] = {}
     finals = {}
     for o in llm.stream(prompts, params):
@@ -112,8 +118,9 @@ def test_preemption_keeps_outputs(tiny, workload, with_draft, prefix_caching):
     lm, draft = tiny
     prompts, params = workload
     # the largest request needs ceil((300 + 24 + 8) / 4) = 83 blocks; all 32 together need far more than 100
-    llm = LLM.from_loaded(lm, draft if with_draft else None, block_size=4, max_num_seqs=32,
-                          max_num_batched_tokens=64, num_kv_blocks=100, enable_prefix_caching=prefix_caching)
+    llm = LLM.from_loaded(lm, draft if with_draft else None,
+                          engine=EngineConfig(block_size=4, max_num_seqs=32, max_num_batched_tokens=64,
+                                              num_kv_blocks=100, enable_prefix_caching=prefix_caching))
     outs = Run(llm).run(prompts, params, stagger=4)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.num_preemptions > 0 for o in outs)
@@ -129,8 +136,9 @@ def test_preemption_keeps_acceptance_lengths(trained, prefix_caching):
     lm, draft = trained
     prompts, params = cycle_workload(10, seed=3, max_len=60, max_tokens=(30, 60))
     K = draft.spec.num_draft_tokens
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_seqs=6, max_num_batched_tokens=6 * (K + 1),
-                          num_kv_blocks=60, enable_prefix_caching=prefix_caching)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=4, max_num_seqs=6, max_num_batched_tokens=6 * (K + 1),
+                                              num_kv_blocks=60, enable_prefix_caching=prefix_caching))
     outs = Run(llm).run(prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_equal_spec(lm, draft, prompts, params, outs)
@@ -146,8 +154,9 @@ def test_prefix_cache_hit_keeps_outputs_and_acceptance(trained):
     a = prefix + cycle_seq(CYCLE_A, 44, 3)
     b = prefix + cycle_seq(CYCLE_A, 44, 7)  # shares 41 tokens (5 full blocks) with a
     sp = greedy(32, ignore_eos=True)
-    cached = LLM.from_loaded(lm, draft, block_size=8, max_num_batched_tokens=256)
-    plain = LLM.from_loaded(lm, draft, block_size=8, max_num_batched_tokens=256, enable_prefix_caching=False)
+    cached = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=8, max_num_batched_tokens=256))
+    plain = LLM.from_loaded(lm, draft,
+                            engine=EngineConfig(block_size=8, max_num_batched_tokens=256, enable_prefix_caching=False))
     bm = cached.engine.blocks
 
     first = cached.generate([a], sp, use_tqdm=False)[0]
@@ -177,7 +186,7 @@ def test_prefix_shared_with_a_running_request(trained):
     prefix = cycle_seq(CYCLE_B, 5, 64)
     a, b = prefix + [CYCLE_B[9]], prefix + cycle_seq(CYCLE_B, 9, 6)
     sp = greedy(48, ignore_eos=True)
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_batched_tokens=96)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=4, max_num_batched_tokens=96))
     run = Run(llm)
     ra = run.add(a, sp)
     run.step()
@@ -199,8 +208,9 @@ def test_min_admit_groups_admissions_and_keeps_outputs(tiny, workload, with_draf
     remain), and outputs are unchanged."""
     lm, draft = tiny
     prompts, params = workload
-    llm = LLM.from_loaded(lm, draft if with_draft else None, max_num_seqs=8, max_num_batched_tokens=4096,
-                          num_kv_blocks=600, min_admit=4)
+    llm = LLM.from_loaded(lm, draft if with_draft else None,
+                          engine=EngineConfig(max_num_seqs=8, max_num_batched_tokens=4096, num_kv_blocks=600,
+                                              min_admit=4))
     sched = llm.engine.scheduler
     joined: list[tuple[int, int, int]] = []  # (running before, admitted, waiting before) of steps that admitted
     real = sched.schedule

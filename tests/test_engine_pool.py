@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import DecodeStep
 from blockspec.errors import BlockspecError
 from blockspec.kv.pool import CacheShape, KVPool
@@ -33,12 +34,12 @@ def test_pool_bytes_per_token_formula(tiny):
                     + d.num_hidden_layers * d.num_key_value_heads * d.head_dim) * 4
     assert expected == 2 * (2 * 2 * 8 + 2 * 2 * 16) * 4  # the tiny shapes, written out
     for bs, n in [(1, 37), (3, 11), (16, 5)]:
-        llm = LLM.from_loaded(lm, draft, block_size=bs, num_kv_blocks=n)
+        llm = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=bs, num_kv_blocks=n))
         pool = llm.engine.pool
         assert KVPool.bytes_per_token(pool.target_shape, pool.draft_shape, torch.float32) == expected
         assert pool.nbytes() == n * bs * expected
         assert pool.k.shape == (2, n * bs, 2, 8) and pool.draft_k.shape == (2, n * bs, 2, 16)
-        plain = LLM.from_loaded(lm, None, block_size=bs, num_kv_blocks=n).engine.pool
+        plain = LLM.from_loaded(lm, None, engine=EngineConfig(block_size=bs, num_kv_blocks=n)).engine.pool
         assert plain.draft_k is None
         assert plain.nbytes() == n * bs * 2 * (2 * 2 * 8) * 4
     # other dtypes: element size enters linearly
@@ -82,7 +83,8 @@ def test_memory_does_not_scale_with_max_num_seqs_times_max_model_len(tiny):
     lm, draft = tiny
     sizes = []
     for max_num_seqs in (1, 8, 256):
-        llm = LLM.from_loaded(lm, draft, block_size=16, num_kv_blocks=40, max_num_seqs=max_num_seqs)
+        llm = LLM.from_loaded(lm, draft,
+                              engine=EngineConfig(block_size=16, num_kv_blocks=40, max_num_seqs=max_num_seqs))
         before = _engine_tensor_bytes(llm.engine)
         assert before == llm.engine.pool.nbytes()  # the pool is the only engine-owned tensor storage
         llm.generate([[5, 6, 7], [9] * 40], greedy(6), use_tqdm=False)
@@ -90,13 +92,13 @@ def test_memory_does_not_scale_with_max_num_seqs_times_max_model_len(tiny):
     assert sizes[0] == sizes[1] == sizes[2] == (40 * 16 * llm.engine.pool.bytes_per_token(
         llm.engine.pool.target_shape, llm.engine.pool.draft_shape, torch.float32),) * 2
     # the same with max_model_len: a longer context does not grow a fixed pool either
-    a = LLM.from_loaded(lm, draft, num_kv_blocks=40, max_model_len=64).engine.pool.nbytes()
-    b = LLM.from_loaded(lm, draft, num_kv_blocks=40, max_model_len=512).engine.pool.nbytes()
+    a = LLM.from_loaded(lm, draft, engine=EngineConfig(num_kv_blocks=40, max_model_len=64)).engine.pool.nbytes()
+    b = LLM.from_loaded(lm, draft, engine=EngineConfig(num_kv_blocks=40, max_model_len=512)).engine.pool.nbytes()
     assert a == b
     # without num_kv_blocks the pool is sized by tokens (capped), never max_num_seqs x max_model_len x something else
-    llm = LLM.from_loaded(lm, draft, block_size=16, max_num_seqs=4, max_model_len=100)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=16, max_num_seqs=4, max_model_len=100))
     assert llm.engine.pool.num_blocks == -(-(4 * 100) // 16)
-    llm = LLM.from_loaded(lm, draft, block_size=16, max_num_seqs=10**6, kv_cache_tokens=4096)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=16, max_num_seqs=10**6, kv_cache_tokens=4096))
     assert llm.engine.pool.num_blocks == 4096 // 16
 
 
@@ -110,8 +112,9 @@ def test_draft_len_schedule(trained, schedule):
     K = draft.spec.num_draft_tokens
     prompts, _ = cycle_workload(8, seed=4, max_len=40)
     params = [greedy(12 + 6 * i, ignore_eos=True) for i in range(8)]  # the batch shrinks as requests finish
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_seqs=8, max_num_batched_tokens=512,
-                          draft_len_schedule=schedule)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=512,
+                                              draft_len_schedule=schedule))
     engine = llm.engine
     run = Run(llm)
     ids = [run.add(p, sp) for p, sp in zip(prompts, params)]
@@ -153,7 +156,7 @@ def test_draft_len_schedule(trained, schedule):
 def test_speculate_false_request_decodes_plainly(trained):
     lm, draft = trained
     prompts, params = cycle_workload(6, seed=5, max_len=50)
-    llm = LLM.from_loaded(lm, draft, block_size=4, max_num_batched_tokens=64)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(block_size=4, max_num_batched_tokens=64))
     spec_flags = [True, False, True, False, True, True]
     outs = Run(llm).run(prompts, params, stagger=2, speculate=spec_flags)
     assert_equal_plain(lm, prompts, params, outs)
@@ -184,8 +187,9 @@ def test_waiting_request_with_prefix_hits_does_not_block_a_running_one(tiny, pre
     """a (running) needs 35 of the 40 blocks; b waits with a 20-token cached prefix and a 10-token rest that does not
     fit yet. b must simply wait for a."""
     lm, _ = tiny
-    llm = LLM.from_loaded(lm, None, block_size=1, num_kv_blocks=40, max_num_seqs=2,
-                          enable_prefix_caching=prefix_caching)
+    llm = LLM.from_loaded(lm, None,
+                          engine=EngineConfig(block_size=1, num_kv_blocks=40, max_num_seqs=2,
+                                              enable_prefix_caching=prefix_caching))
     e = llm.engine
     shared = list(range(3, 23))
     llm.generate([shared], greedy(3, ignore_eos=True), use_tqdm=False)  # its 20 prompt blocks are now cached
@@ -207,7 +211,8 @@ def test_waiting_request_with_prefix_hits_does_not_block_a_running_one(tiny, pre
 @pytest.mark.parametrize("prompt_len,max_tokens", [(5, 30), (30, 2)])
 def test_pool_too_small_for_one_request_is_an_error(tiny, prompt_len, max_tokens):
     lm, _ = tiny
-    llm = LLM.from_loaded(lm, None, block_size=4, num_kv_blocks=4, enable_prefix_caching=False)  # 16 tokens
+    llm = LLM.from_loaded(lm, None,
+                          engine=EngineConfig(block_size=4, num_kv_blocks=4, enable_prefix_caching=False))  # 16 tokens
     try:
         llm.engine.add_request(list(range(3, 3 + prompt_len)), greedy(max_tokens, ignore_eos=True))
         finished = _drive(llm.engine, 300)
@@ -224,15 +229,16 @@ def test_pool_exactly_large_enough_for_one_request(tiny):
     prompts = [[7] * 30, [8] * 3, list(range(50, 70))]
     params = [greedy(10, ignore_eos=True)] * 3
     need = -(-(30 + 10 + 8) // 4)  # blocks of 4 tokens for the largest request and its K+1 verify window
-    llm = LLM.from_loaded(lm, draft, block_size=4, num_kv_blocks=need, enable_prefix_caching=False,
-                          max_num_batched_tokens=16)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(block_size=4, num_kv_blocks=need, enable_prefix_caching=False,
+                                              max_num_batched_tokens=16))
     outs = Run(llm).run(prompts, params)
     assert_equal_plain(lm, prompts, params, outs)
 
 
 def test_prompt_of_a_request_finishing_in_prefill_is_cached(tiny):
     lm, _ = tiny
-    llm = LLM.from_loaded(lm, None, block_size=1)
+    llm = LLM.from_loaded(lm, None, engine=EngineConfig(block_size=1))
     prompt = list(range(3, 40))
     llm.generate([prompt], greedy(1), use_tqdm=False)
     hits = llm.engine.blocks.prefix_hits
@@ -256,7 +262,7 @@ def test_a_decode_left_without_budget_keeps_its_drafts(tiny):
     """The token budget runs out inside the running decodes: a request that still fits part of its block verifies
     fewer drafts, and one that gets no rows this step keeps all its drafts for the next."""
     lm, draft = tiny
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=3, max_num_batched_tokens=64)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=3, max_num_batched_tokens=64))
     for p in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
         llm.engine.add_request(p, greedy(20, ignore_eos=True))
     while any(s.in_prefill or not s.drafts.k for s in llm.engine.scheduler.running) or not llm.engine.scheduler.running:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
+from blockspec.config import EngineConfig
 from blockspec.errors import BlockspecError
 from oracles import generate
 from blockspec.llm import LLM
@@ -145,10 +146,10 @@ def plain(lm, prompt: list[int], params: SamplingParams):
 def run_scenario(pair, sc: Scenario):
     """Runs the scenario, checks every invariant, returns the engine."""
     lm = pair.lm
-    llm = LLM.from_loaded(lm, pair.draft if sc.use_draft else None, block_size=sc.block_size,
-                          max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.budget,
-                          num_kv_blocks=pool_blocks(sc), max_model_len=sc.max_model_len,
-                          enable_prefix_caching=sc.prefix_caching)
+    llm = LLM.from_loaded(lm, pair.draft if sc.use_draft else None,
+                          engine=EngineConfig(block_size=sc.block_size, max_num_seqs=sc.max_num_seqs,
+                                              max_num_batched_tokens=sc.budget, num_kv_blocks=pool_blocks(sc),
+                                              max_model_len=sc.max_model_len, enable_prefix_caching=sc.prefix_caching))
     engine = llm.engine
     ids: dict[int, str] = {}
     aborted: set[int] = set()
@@ -263,7 +264,7 @@ def test_random_scenario_covers_the_interesting_paths(pair):
 
 
 def test_abort_and_request_ids(pair):
-    llm = LLM.from_loaded(pair.lm, pair.draft, block_size=4, max_num_seqs=1)
+    llm = LLM.from_loaded(pair.lm, pair.draft, engine=EngineConfig(block_size=4, max_num_seqs=1))
     e = llm.engine
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     a = e.add_request(cycle_seq(CYCLE_A, 0, 9), sp, request_id="a")

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":  # on a GPU machine the kernels compile for CUDA: tests/test_gpu.py
     pytest.skip("needs Triton's interpreter (set on machines without CUDA)", allow_module_level=True)
+from blockspec.config import EngineConfig
 from blockspec.layers import kernels, triton_qkv  # noqa: E402
 from blockspec.llm import LLM  # noqa: E402
 from blockspec.sampling import SamplingParams  # noqa: E402
@@ -29,8 +30,9 @@ def _run(pair, fused: bool, monkeypatch):
         return spy(qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, paged)
 
     monkeypatch.setattr(triton_qkv, "split_qkv_norm_rope", recorded)
-    llm = LLM.from_loaded(pair.lm, pair.draft, max_num_seqs=4, block_size=8, enforce_eager=True,
-                          attention_backend="triton" if fused else "torch")
+    llm = LLM.from_loaded(pair.lm, pair.draft,
+                          engine=EngineConfig(max_num_seqs=4, block_size=8, enforce_eager=True,
+                                              attention_backend="triton" if fused else "torch"))
     prompts = [cycle_seq((CYCLE_A, CYCLE_B)[i % 2], 3 * i, 5 + 7 * i) for i in range(3)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
     return [(o.token_ids, o.acceptance_lengths) for o in outs], set(calls)

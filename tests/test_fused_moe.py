@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":  # on a GPU machine the kernels compile for CUDA
     pytest.skip("needs Triton's interpreter (set on machines without CUDA)", allow_module_level=True)
+from blockspec.config import EngineConfig
 from blockspec.layers import kernels  # noqa: E402
 from blockspec.layers.fused_moe import BLOCK_M, align_pairs, fused_experts  # noqa: E402
 from blockspec.layers.moe import grouped_experts, softmax_topk  # noqa: E402
@@ -93,7 +94,7 @@ def test_moe_target_through_the_engine_with_the_fused_kernel(monkeypatch, tmp_pa
                               ("fused ngram", fused, NgramProposer(5, 3))]:
         if name == "grouped":
             monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", False)
-        llm = LLM.from_loaded(lm, drafter, block_size=8, max_num_seqs=3, enforce_eager=True)
+        llm = LLM.from_loaded(lm, drafter, engine=EngineConfig(block_size=8, max_num_seqs=3, enforce_eager=True))
         runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         monkeypatch.setattr(kernels, "INTERPRET_ON_CPU", True)
     assert runs["fused"] == runs["grouped"] == runs["fused ngram"]

@@ -16,6 +16,7 @@ import torch
 
 from blockspec import rng
 from blockspec.cli import main
+from blockspec.config import EngineConfig
 from blockspec.errors import ConfigError
 from blockspec.llm import LLM
 from blockspec.sampling import (SamplingParams, SamplingRows, processed_probs, processed_probs_for,
@@ -182,7 +183,7 @@ def exact_joint(lm, params: SamplingParams, cuts: list | None = None) -> dict[tu
 
 def engine_counts(lm, draft, params: dict, n: int = N_SAMPLES, seed0: int = 0) -> tuple[Counter, Counter]:
     """The first N_TOKENS tokens of n seeded requests decoded together, and the acceptance lengths of their steps."""
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=128)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=128))
     outs = llm.generate([PROMPT] * n, [SamplingParams(seed=seed0 + i, max_tokens=N_TOKENS, ignore_eos=True, **params)
                                        for i in range(n)], use_tqdm=False)
     return Counter(tuple(o.token_ids) for o in outs), Counter(a for o in outs for a in o.acceptance_lengths or [])
@@ -216,7 +217,7 @@ def test_engine_min_p_is_seeded_batch_invariant_and_spec_equals_plain(models):
     p = SamplingParams(temperature=1.0, min_p=0.1, seed=11, max_tokens=24, ignore_eos=True)
     others = [SamplingParams(temperature=1.0, seed=12, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.7, top_k=4, min_p=0.3, seed=13, max_tokens=9, ignore_eos=True)]
-    plain = LLM.from_loaded(lm, None, max_num_seqs=4)
+    plain = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=4))
     alone = plain.generate([PROMPT], [p], use_tqdm=False)[0].token_ids
     assert len(alone) == 24 and plain.generate([PROMPT], [p], use_tqdm=False)[0].token_ids == alone
     mixed = plain.generate([[2, 4], PROMPT, [7, 1, 1, 2]], [others[0], p, others[1]], use_tqdm=False)
@@ -224,7 +225,7 @@ def test_engine_min_p_is_seeded_batch_invariant_and_spec_equals_plain(models):
     reseeded = {tuple(plain.generate([PROMPT], [replace(p, seed=s)], use_tqdm=False)[0].token_ids) for s in range(4)}
     assert len(reseeded) > 1
     # with argmax drafts, every emitted token is the target's sample at its position: the tokens of plain decoding
-    spec = LLM.from_loaded(lm, drafts[False], max_num_seqs=4)
+    spec = LLM.from_loaded(lm, drafts[False], engine=EngineConfig(max_num_seqs=4))
     assert spec.generate([PROMPT], [p], use_tqdm=False)[0].token_ids == alone
 
 
@@ -258,7 +259,7 @@ def server():
     from server_utils import LiveServer, tiny_pair
 
     _, _, lm, _ = tiny_pair()
-    srv = LiveServer(LLM.from_loaded(lm, None, max_model_len=64).engine)
+    srv = LiveServer(LLM.from_loaded(lm, None, engine=EngineConfig(max_model_len=64)).engine)
     yield srv
     srv.stop()
 

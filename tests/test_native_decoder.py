@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from blockspec.attention.paged_ref import PagedBatch, RowwiseTargetAttention
+from blockspec.config import EngineConfig
 from blockspec.kv.pool import CacheShape, KVPool
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadConfig, load_model
@@ -103,9 +104,9 @@ def test_speculative_output_equals_plain_through_the_native_stack(lm):
     """n-gram drafts on repetitive prompts (a random target falls into loops), verified K + 1 rows at a time through
     the native stack: the greedy tokens are plain decoding's, and drafts were accepted."""
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42], [3, 9, 27, 81, 3, 9, 27, 81, 3]]
-    plain = [o.token_ids for o in LLM.from_loaded(lm, None, max_num_seqs=3, block_size=BLOCK)
+    plain = [o.token_ids for o in LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=3, block_size=BLOCK))
              .generate(prompts, greedy(40), use_tqdm=False)]
-    spec = LLM.from_loaded(lm, NgramProposer(4, 3), max_num_seqs=3, block_size=BLOCK)
+    spec = LLM.from_loaded(lm, NgramProposer(4, 3), engine=EngineConfig(max_num_seqs=3, block_size=BLOCK))
     outs = spec.generate(prompts, greedy(40), use_tqdm=False)
     assert [o.token_ids for o in outs] == plain
     assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > 10

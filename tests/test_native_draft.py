@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig
 
 from blockspec.attention.paged_ref import PagedBatch, PagedDraftAttention, store
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.kv.pool import CacheShape, KVPool
 from blockspec.layers.cpu_quant import reference_weight
 from blockspec.llm import LLM
@@ -167,8 +167,12 @@ def test_greedy_dflash_through_the_native_drafter_equals_plain_decoding(pair, mo
         monkeypatch.setattr(NativeDraft, name, counted)
     prompts = [[(7 * i + 3 * j) % 90 + 1 for j in range(5 + 3 * i)] for i in range(6)]
     params = greedy(24)
-    plain = LLM.from_loaded(lm, None, max_num_seqs=4, block_size=BLOCK).generate(prompts, params, use_tqdm=False)
-    spec = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=BLOCK).generate(prompts, params, use_tqdm=False)
+    plain = LLM.from_loaded(lm, None,
+                            engine=EngineConfig(max_num_seqs=4,
+                                                block_size=BLOCK)).generate(prompts, params, use_tqdm=False)
+    spec = LLM.from_loaded(lm, draft,
+                           engine=EngineConfig(max_num_seqs=4,
+                                               block_size=BLOCK)).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert calls["forward"] > 0 and calls["context"] > 0
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from blockspec.cli import main
+from blockspec.config import EngineConfig
 from blockspec.engine.outputs import StepTrace
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadConfig, load_model
@@ -182,7 +183,7 @@ def test_ngram_max_bounds_the_match(successor, ngram_max, first):
 def test_history_survives_a_prefix_hit(successor):
     """B reuses A's cached prompt blocks (their tokens were written by A's prefill) and drafts from a match there."""
     lm, _ = successor
-    llm = LLM.from_loaded(lm, ngram(), block_size=4)
+    llm = LLM.from_loaded(lm, ngram(), engine=EngineConfig(block_size=4))
     a = [3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22, 23, 24, 25, 26, 27]
     llm.generate([a], SamplingParams(max_tokens=1), use_tqdm=False)
     out = llm.generate([a + [30, 17, 5, 6]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
@@ -196,8 +197,9 @@ def test_history_survives_preemption(successor):
     lm, _ = successor
     prompts = [list(range(3, 32)), list(range(5, 32))]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    llm = LLM.from_loaded(lm, ngram(), block_size=2, max_num_seqs=2, enable_prefix_caching=False,
-                          num_kv_blocks=(31 + 60 + K + 1) // 2 + 8)
+    llm = LLM.from_loaded(lm, ngram(),
+                          engine=EngineConfig(block_size=2, max_num_seqs=2, enable_prefix_caching=False,
+                                              num_kv_blocks=(31 + 60 + K + 1) // 2 + 8))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0 and any(o.num_preemptions for o in outs)
     for p, o in zip(prompts, outs):

@@ -10,9 +10,10 @@ import pytest
 
 import blockspec.distributed.launch
 import blockspec.llm
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import ConfigError
 from blockspec.llm import LLM
+from blockspec.loading.loader import LoadConfig
 from blockspec.speculative.registry import load_proposer
 from errors_utils import gen
 from hf_utils import make_hf_model, save_hf_model
@@ -75,15 +76,15 @@ def test_bad_speculative_config(ckpts, no_processes, kwargs, field, message):
         SpeculativeConfig(**kwargs)
     assert one_line(e, field).startswith(message)
     with pytest.raises(ConfigError) as e:  # the same through LLM's dict form, before the target loads
-        LLM(str(ckpts.target), speculative_config=kwargs, device="cpu")
+        LLM(str(ckpts.target), speculative=kwargs, load=LoadConfig(device="cpu"))
     assert one_line(e, field).startswith(message)
 
 
 @pytest.mark.parametrize("method", ["draft-model", None])  # None: taken from the checkpoint (a plain causal LM)
 def test_draft_model_of_another_vocabulary(ckpts, small_vocab, method):
     with pytest.raises(ConfigError) as e:
-        LLM(str(ckpts.target), speculative_config=dict(method=method, draft_model=str(small_vocab),
-                                                       num_draft_tokens=3), device="cpu")
+        LLM(str(ckpts.target), speculative=dict(method=method, draft_model=str(small_vocab), num_draft_tokens=3),
+            load=LoadConfig(device="cpu"))
     message = one_line(e, "draft_model")
     assert message.startswith(f"{small_vocab}: draft model vocab_size=96 differs from the target's vocab_size={VOCAB}")
 
@@ -101,7 +102,8 @@ def test_tensor_parallel_takes_only_dflash(ckpts, no_processes, method):
     spec = {"method": method} if method == "ngram" else dict(method=method, draft_model=str(ckpts.other),
                                                              num_draft_tokens=3)
     with pytest.raises(ConfigError) as e:
-        LLM(str(ckpts.target), speculative_config=spec, device="cpu", tensor_parallel_size=2)
+        LLM(str(ckpts.target), speculative=spec, load=LoadConfig(device="cpu"),
+            engine=EngineConfig(tensor_parallel_size=2))
     assert one_line(e, "method") == (f"speculative method {method or 'draft-model'!r} is not supported with "
                                      f"tensor_parallel_size > 1 (only 'dflash' drafters are sharded)")
 

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import save_file
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.errors import ModelLoadError
 from blockspec.layers import kernels
 from blockspec.layers.moe import Router, SparseMoeBlock, grouped_experts, softmax_topk
@@ -154,7 +154,7 @@ def test_greedy_speculative_equals_plain_through_the_engine(moe_pair, proposer):
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 3, 26)]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 40, 30, 20, 8, 28)]
-    llm = LLM.from_loaded(lm, drafter, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM.from_loaded(lm, drafter, engine=EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=64))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_equal_plain(lm, prompts, params, outs)
     spec_consistency(outs)
@@ -184,7 +184,8 @@ def test_cpu_variants_swap_the_experts_and_keep_the_router_exact(moe_pair, varia
         return
     prompts = [[5, 9, 33], [70, 2, 11, 64, 8, 1, 90]]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    outs = LLM.from_loaded(other, NgramProposer(4, 2), block_size=8).generate(prompts, params, use_tqdm=False)
+    outs = LLM.from_loaded(other, NgramProposer(4, 2),
+                           engine=EngineConfig(block_size=8)).generate(prompts, params, use_tqdm=False)
     assert_equal_plain(other, prompts, params, outs)
 
 

@@ -13,10 +13,12 @@ import asyncio
 import pytest
 
 from blockspec.cli.flags import speculative_config
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from blockspec.loading.bundled import find_bundled
 from blockspec.loading.bundled_draft import bundled_draft_path
 from blockspec.loading.loader import LoadConfig, load_model
+from blockspec.loading.platform import plan
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.registry import load_proposer
 from blockspec.speculative.schedule import expected_tokens
@@ -41,9 +43,11 @@ def cache(tmp_path_factory):
 def served(cpu_quant: str, max_num_seqs: int) -> LLM:
     lm = load_model(None, LoadConfig(device="cpu", cpu_quant=cpu_quant))
     args = argparse.Namespace(draft_model=str(bundled_draft_path()), device="cpu", dtype=None, tensor_parallel_size=1)
-    spec = speculative_config(args, device_defaults=True)  # as serve and generate set it up
+    # as serve and generate set it up: the platform plan fills the drafter's speed options left unset
+    spec = plan(LoadConfig(device="cpu", cpu_quant=cpu_quant), speculative_config(args)).speculative
     assert spec.full_block_drafting is True
-    return LLM.from_loaded(lm, load_proposer(spec, lm), max_num_seqs=max_num_seqs, draft_len_schedule="auto")
+    return LLM.from_loaded(lm, load_proposer(spec, lm),
+                           engine=EngineConfig(max_num_seqs=max_num_seqs, draft_len_schedule="auto"))
 
 
 def test_the_calibrated_schedule_drafts_nothing_at_high_batch(cache):

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from server_utils import LiveServer, tiny_pair
 
@@ -26,7 +27,8 @@ BASE = {COMPLETIONS: {"model": "tiny", "prompt": "Hi", "max_tokens": 2},
 @pytest.fixture(scope="module")
 def server():
     _, _, lm, draft = tiny_pair()
-    srv = LiveServer(LLM.from_loaded(lm, draft, max_model_len=64, num_kv_blocks=3, block_size=16).engine)
+    srv = LiveServer(LLM.from_loaded(lm, draft,
+                                     engine=EngineConfig(max_model_len=64, num_kv_blocks=3, block_size=16)).engine)
     yield srv
     srv.stop()
 

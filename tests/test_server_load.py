@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from blockspec.server import detok
@@ -30,7 +31,7 @@ def pair():
 @pytest.fixture
 def server(pair):
     _, _, lm, draft = pair
-    srv = LiveServer(LLM.from_loaded(lm, draft, max_num_seqs=64).engine)
+    srv = LiveServer(LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=64)).engine)
     yield srv
     srv.stop()
 

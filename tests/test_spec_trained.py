@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from oracles import generate
+from blockspec.config import EngineConfig
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
 from trained_pair import CYCLE_B, CYCLES, cycle_seq, trained_pair, with_k
@@ -122,7 +123,8 @@ def test_full_block_drafting_is_lossless_and_engine_equals_reference(trained):
     short = with_k(draft, 2)
     assert full.spec.draft_rows(2) == draft.spec.block_size > short.spec.draft_rows(2) == 3
     prompts = PROMPTS + [OFF_PROMPT]
-    engine = LLM.from_loaded(lm, full, max_num_seqs=4).generate(prompts, greedy(40), use_tqdm=False)
+    engine = LLM.from_loaded(lm, full,
+                             engine=EngineConfig(max_num_seqs=4)).generate(prompts, greedy(40), use_tqdm=False)
     differ = False
     for prompt, eng in zip(prompts, engine):
         ref = generate(lm, prompt, greedy(40)).token_ids

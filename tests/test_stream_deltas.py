@@ -11,6 +11,7 @@ from dataclasses import fields
 
 import pytest
 
+from blockspec.config import EngineConfig
 from blockspec.engine.outputs import RequestOutput, StepTrace
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadConfig, load_model
@@ -32,7 +33,7 @@ def lm(tmp_path_factory):
 
 
 def _llm(lm, draft) -> LLM:
-    return LLM.from_loaded(lm, draft, max_num_seqs=1, num_kv_blocks=(L + 64) // 16 + 2)
+    return LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1, num_kv_blocks=(L + 64) // 16 + 2))
 
 
 def copied(out: RequestOutput) -> int:

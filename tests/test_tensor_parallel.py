@@ -105,10 +105,10 @@ def test_engine_tp2_equals_one_device_trained_llama_pair(tmp_path):
     prompts = [CYCLE_A[:6], CYCLE_B[3:12], CYCLE_A[5:8] + CYCLE_B[:4]]
     params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 2 + [
         SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)]
-    one = LLM.from_loaded(pair.lm, pair.draft, block_size=8, num_kv_blocks=64)
+    one = LLM.from_loaded(pair.lm, pair.draft, engine=EngineConfig(block_size=8, num_kv_blocks=64))
     want_tokens, want_accept = _engine_outputs(one, prompts, params)
-    tp = LLM(target, {"draft_model": str(draft_dir)}, device="cpu", tensor_parallel_size=2, block_size=8,
-             num_kv_blocks=64)
+    tp = LLM(target, speculative={"draft_model": str(draft_dir)}, load=LoadConfig(device="cpu"),
+             engine=EngineConfig(tensor_parallel_size=2, block_size=8, num_kv_blocks=64))
     try:
         got_tokens, got_accept = _engine_outputs(tp, prompts, params)
     finally:
@@ -130,7 +130,7 @@ def test_engine_tp2_equals_one_device_qwen3_probabilistic_drafts(tmp_path):
     lm = load_model(str(target), LoadConfig(device="cpu", with_tokenizer=False))
     one = LLM.from_loaded(lm, load_draft(SpeculativeConfig(**spec), lm))
     want = _engine_outputs(one, prompts, params)
-    tp = LLM(str(target), spec, device="cpu", tensor_parallel_size=2)
+    tp = LLM(str(target), speculative=spec, load=LoadConfig(device="cpu"), engine=EngineConfig(tensor_parallel_size=2))
     try:
         assert _engine_outputs(tp, prompts, params) == want
     finally:
@@ -170,4 +170,4 @@ def test_bad_tensor_parallel_sizes(tmp_path):
     check_tp_size(4, cfg, "target")  # 2 kv heads on 4 ranks: replicated, allowed
     # the LLM checks before it starts any rank
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size=3 must divide the target \(.*/m\)'s num_attention"):
-        LLM(str(tmp_path / "m"), device="cpu", tensor_parallel_size=3)
+        LLM(str(tmp_path / "m"), load=LoadConfig(device="cpu"), engine=EngineConfig(tensor_parallel_size=3))

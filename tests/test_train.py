@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockspec.cli import main
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.data.shards import write_shards
 from blockspec.loading.draft_loader import load_draft
 from blockspec.train.config import TrainConfig
@@ -79,7 +79,7 @@ def _check_training_replays_the_engine(lm, setup, cfg, prompts) -> None:
     from blockspec.train.walk import walk
 
     B = setup.model.config.block_size
-    llm = LLM.from_loaded(lm, inference_draft(lm, setup.model), max_num_seqs=1)
+    llm = LLM.from_loaded(lm, inference_draft(lm, setup.model), engine=EngineConfig(max_num_seqs=1))
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     seqs = [TokenSequence(torch.tensor(p + o.token_ids), torch.tensor([False] * len(p) + [True] * len(o.token_ids)))
             for p, o in zip(prompts, outs)]

@@ -10,6 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 from blockspec.attention.torch_ref import attend, build_mask  # noqa: E402
 from blockspec.attention.triton_paged import paged_attention, store_kv  # noqa: E402
+from blockspec.config import EngineConfig
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,7 +110,8 @@ def test_engine_with_triton_backend_equals_reference(tmp_path):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM.from_loaded(lm, dr, block_size=4, max_num_batched_tokens=16, attention_backend=backend)
+        llm = LLM.from_loaded(lm, dr,
+                              engine=EngineConfig(block_size=4, max_num_batched_tokens=16, attention_backend=backend))
         outs[backend] = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.demo import CPU_DRAFT_TOKENS, CPU_DRAFT_VOCAB, CPU_QUANT_DRAFT_TOKENS, DEMO_PROMPTS
 from blockspec.layers import cpu_packed, cpu_quant
 from blockspec.llm import LLM
@@ -115,8 +115,8 @@ def main() -> int:
                                          full_block_drafting=True, cpu_bf16_draft=bf16,
                                          draft_vocab_size=CPU_DRAFT_VOCAB), lm)
     # every prompt processed in full, as llama.cpp (reset before each prompt) does: no prefix reuse on either side
-    plain = LLM.from_loaded(lm, None, max_num_seqs=1, enable_prefix_caching=False)
-    spec = LLM.from_loaded(lm, draft, max_num_seqs=1, enable_prefix_caching=False)
+    plain = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=1, enable_prefix_caching=False))
+    spec = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1, enable_prefix_caching=False))
     prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
     for llm in (plain, spec):
         llm.generate([prompts[0]], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -234,7 +234,7 @@ def teacher_forced_agreement(args: argparse.Namespace, lm, prompts: list[list[in
     through llama.cpp: how often each one's argmax is the fp32 model's token."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     ref = load_model(None, LoadConfig(device="cpu"))
-    answers = [o.token_ids for o in LLM.from_loaded(ref, None, max_num_seqs=1)
+    answers = [o.token_ids for o in LLM.from_loaded(ref, None, engine=EngineConfig(max_num_seqs=1))
                .generate(prompts, SamplingParams(max_tokens=args.max_tokens), use_tqdm=False)]
     seqs = [p + a for p, a in zip(prompts, answers)]
     total = sum(len(a) for a in answers)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from blockspec.attention.torch_ref import attend, build_mask
+from blockspec.config import EngineConfig
 from blockspec.demo import DEMO_PROMPTS
 from blockspec.layers import cpu_quant
 from blockspec.llm import LLM
@@ -41,7 +42,8 @@ def argmaxes(lm: LoadedModel, ids: list[int]) -> list[int]:
 
 
 def greedy(lm: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outs = LLM.from_loaded(lm, None, max_num_seqs=1).generate(prompts, SamplingParams(max_tokens=max_tokens),
+    outs = LLM.from_loaded(lm, None,
+                           engine=EngineConfig(max_num_seqs=1)).generate(prompts, SamplingParams(max_tokens=max_tokens),
                                                               use_tqdm=False)
     return [o.token_ids for o in outs]
 

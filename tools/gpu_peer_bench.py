@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import OFF, SpeculativeConfig
+from blockspec.config import EngineConfig, OFF, SpeculativeConfig
 from blockspec.data.eval_prompts import load_eval_prompts
 from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
@@ -42,9 +42,11 @@ def blockspec_engines(target: Path, K: int, device: str) -> dict[str, LLM]:
         lm = load_model(str(target), LoadConfig(device=device, batch_invariant=invariant))
         draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), num_draft_tokens=K), lm)
         tag = "-bi" if invariant else ""
-        engines[f"plain{tag}"] = LLM.from_loaded(lm, None, max_num_seqs=1, enable_prefix_caching=False)
-        engines[f"dflash{tag}"] = LLM.from_loaded(lm, draft, max_num_seqs=1, enable_prefix_caching=False,
-                                                  draft_len_schedule=OFF)
+        engines[f"plain{tag}"] = LLM.from_loaded(lm, None,
+                                                 engine=EngineConfig(max_num_seqs=1, enable_prefix_caching=False))
+        engines[f"dflash{tag}"] = LLM.from_loaded(lm, draft,
+                                                  engine=EngineConfig(max_num_seqs=1, enable_prefix_caching=False,
+                                                                      draft_len_schedule=OFF))
     for llm in engines.values():
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
     return engines

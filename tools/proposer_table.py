@@ -163,7 +163,7 @@ def measure(lm: LoadedModel, proposer: Proposer | None, prompts: list[list[int]]
             dataset: str, batch: int, repeats: int) -> dict[str, Any]:
     """One row's figures: evaluate_draft with `proposer`, or (None) bench's plain runs alone."""
     if proposer is None:
-        r = bench(lm, None, prompts, params, repeats=repeats, **eval_engine(prompts, params.max_tokens, 0, batch))
+        r = bench(lm, None, prompts, params, repeats=repeats, engine=eval_engine(prompts, params.max_tokens, 0, batch))
         plain = r["plain"]
         tps = plain["tokens_per_second"]
         return dict(tau=1.0, tokens_per_second=tps, baseline_tokens_per_second=tps, speedup=1.0,

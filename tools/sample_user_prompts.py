@@ -1,3 +1,4 @@
+from blockspec.config import EngineConfig
 """User prompts written by the target itself, for the bundled drafter's data: the chat template is filled up to the
 start of a user turn and the model samples what a user would say there (the "Magpie" way of self-prompting an
 instruction-tuned model), then `blockspec draft-data` has it answer them as usual.
@@ -46,8 +47,10 @@ def sample_user_prompts(lm, num: int, *, temperature: float = 1.0, top_p: float 
         user_start, add_special_tokens=False)
     cuda = next(lm.model.parameters()).device.type == "cuda"
     batch = min(batch or (512 if cuda else 16), num)
-    llm = LLM.from_loaded(lm, None, max_num_seqs=batch, kv_cache_tokens=batch * (len(prefix) + max_tokens + 1),
-                          max_num_batched_tokens=16384 if cuda else 2048)
+    llm = LLM.from_loaded(lm, None,
+                          engine=EngineConfig(max_num_seqs=batch,
+                                              kv_cache_tokens=batch * (len(prefix) + max_tokens + 1),
+                                              max_num_batched_tokens=16384 if cuda else 2048))
     params = [SamplingParams(temperature=temperature, top_p=top_p, seed=seed + i, max_tokens=max_tokens)
               for i in range(num)]
     outs = llm.generate([prefix] * num, params, use_tqdm=num > 64)

@@ -91,17 +91,27 @@ INVARIANT = AttentionBackend(InvariantTargetAttention, TritonDraftAttention, _tr
 ROWWISE = AttentionBackend(RowwiseTargetAttention, PagedDraftAttention, paged_ref.store, capturable=False)
 
 
-def get_backend(name: str, device: torch.device, batch_invariant: bool = False,
-                row_invariant: bool = False) -> AttentionBackend:
+def backend_name(name: str, device: torch.device, batch_invariant: bool = False, row_invariant: bool = False) -> str:
+    """The backend a target runs given the asked `name` (auto | torch | triton), its device and what its linears need:
+    "triton" or "torch" as asked ("auto": Triton on CUDA), "rowwise" (the reference with each decode / verify row
+    computed as a one-row step, for targets whose linears round activations to bf16: the quantized CPU kernels) or
+    "invariant" (the Triton target attention in its deterministic mode, for batch-invariant targets). The platform
+    plan reports this (loading/platform.py); get_backend builds it: one decision."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend={name!r}: expected one of auto, {', '.join(BACKENDS)}")
     if row_invariant and name == "torch":
-        return ROWWISE
+        return "rowwise"
     if batch_invariant:
         if name != "triton":
             raise ConfigError(f"a batch-invariant target needs attention_backend='triton' (or 'auto' on CUDA), "
                               f"got {name!r}")
-        return INVARIANT
-    return BACKENDS[name]
+        return "invariant"
+    return name
+
+
+def get_backend(name: str, device: torch.device, batch_invariant: bool = False,
+                row_invariant: bool = False) -> AttentionBackend:
+    chosen = backend_name(name, device, batch_invariant, row_invariant)
+    return {"rowwise": ROWWISE, "invariant": INVARIANT}.get(chosen) or BACKENDS[chosen]

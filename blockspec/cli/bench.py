@@ -1,7 +1,7 @@
 """`blockspec bench`: offline throughput, plain and (with --draft) speculative, on the first prompts of a shipped
 evaluation set (default HumanEval, chat template applied when the model has one) or on random token ids (labelled
 so: they overstate tau and the speedup); timed as evaluation/throughput.py times (warmed engines, alternating runs,
-medians). --tensor-parallel-size N times one engine served by N ranks."""
+medians; under --tensor-parallel-size N one engine served by N ranks times every run)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import json
 from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
-                                 add_speculative_args, add_speed_args, build_llm, engine_config, load_config,
+                                 add_speculative_args, add_speed_args, engine_config, load_config, report_plan,
                                  speculative_config)
-from blockspec.config import AUTO
+from blockspec.config import AUTO, EngineConfig
 from blockspec.data.eval_prompts import EVAL_SETS
 
 if TYPE_CHECKING:
@@ -102,25 +102,20 @@ def _params(described: dict, max_tokens: int) -> SamplingParams:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = speculative_config(args, device_defaults=True)
+    from blockspec.evaluation.throughput import bench
+    from blockspec.llm import load_models
+
+    spec = speculative_config(args)
     chosen = prompt_set(args)
-    if args.tensor_parallel_size > 1:
-        report = _bench_tensor_parallel(args, chosen)
-    else:
-        from blockspec.evaluation.throughput import bench
-        from blockspec.loading.loader import load_model
-
-        lm = load_model(args.model, load_config(args, with_tokenizer=chosen != RANDOM))
-        draft = None
-        if spec is not None:
-            from blockspec.speculative.registry import load_proposer
-
-            draft = load_proposer(spec, lm)
-        prompts, described = bench_prompts(lm, args, chosen)
-        # the spec engine runs the draft length schedule measured on this machine unless one is given
-        report = bench(lm, draft, prompts, _params(described, args.max_tokens), args.repeats, args.first,
-                       **{"draft_len_schedule": AUTO, **engine_config(args)})
-        report["prompts"] = described
+    # the spec engine runs the draft length schedule measured on this machine unless one is given
+    engine = EngineConfig(**{"draft_len_schedule": AUTO, **engine_config(args)})
+    models = load_models(args.model, load_config(args, with_tokenizer=chosen != RANDOM), spec,
+                         engine.tensor_parallel_size)
+    prompts, described = bench_prompts(models.lm, args, chosen)
+    report_plan(models.plan)
+    report = bench(models.lm, models.draft, prompts, _params(described, args.max_tokens), args.repeats, args.first,
+                   engine=engine, sources=models.sources)
+    report["prompts"] = {**described, **report.get("prompts", {})}  # bench's own notes on them (prefix caching)
     report["config"] = {**{key: getattr(args, dest) for key, dest in _REPORTED.items()}, "prompts": chosen}
     print(json.dumps(report) if args.json else _text(report))
     return 0
@@ -151,18 +146,3 @@ def _text(report: dict) -> str:
     lines.append(f"run order: {' '.join(report['timing']['order'])} (each run on an engine warmed up first)")
     return "\n".join(lines)
 
-
-def _bench_tensor_parallel(args: argparse.Namespace, chosen: str) -> dict:
-    """Plain and (with --draft) speculative throughput of one tensor-parallel engine, as the one-device run reports.
-    The one engine times every run, so its prefix cache is off: a repeated run's prefill would be a cache hit."""
-    from blockspec.evaluation.throughput import interleaved, report, run_order
-
-    llm = build_llm(argparse.Namespace(**{**vars(args), "enable_prefix_caching": False}))
-    try:
-        prompts, described = bench_prompts(llm.lm, args, chosen)
-        order = run_order(args.first, args.repeats, llm.engine.proposer is not None)
-        runs = interleaved(lambda mode: llm, prompts, _params(described, args.max_tokens), order)
-    finally:
-        llm.close()
-    return {**report(runs, order), "prompts": {**described, "prefix_caching": False},
-            "tensor_parallel_size": args.tensor_parallel_size}

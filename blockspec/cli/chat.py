@@ -7,7 +7,8 @@ import argparse
 import sys
 import time
 
-from blockspec.cli.flags import add_llm_args, add_max_tokens, add_sampling_args, build_llm, sampling_params
+from blockspec.cli.flags import (add_llm_args, add_max_tokens, add_sampling_args, build_llm, report_llm,
+                                 sampling_params)
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     tok = llm.tokenizer
     if tok is None or not tok.has_chat_template:
         raise BlockspecError(f"{llm.lm.source.name} has no chat template: `blockspec chat` needs a chat model")
+    report_llm(llm)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     print(f"blockspec chat with {llm.lm.source.name}: {HELP}", file=sys.stderr)

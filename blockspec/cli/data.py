@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_dist_timeout_arg, add_max_batch_size, add_max_tokens,
                                  add_model_arg, add_sampling_args, add_speculative_args, add_speed_args, load_config,
-                                 speculative_config)
+                                 report_plan, speculative_config)
 
 if TYPE_CHECKING:
     from blockspec.config import SpeculativeConfig
@@ -88,6 +88,8 @@ def _build(args: argparse.Namespace, spec: SpeculativeConfig | None, found: Prom
         return lm, load_draft(spec, lm)
 
     lm, draft = load() if dp is None else dp.together(load)
+    if dp is None or dp.main:
+        report_plan(lm.plan.with_proposer(draft))
     ranks = {} if dp is None else {"rank": dp.rank, "world_size": dp.world_size, "sync": dp.together}
     return build_dataset(
         lm, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from blockspec.cli.bench import add_timing_args
 from blockspec.cli.flags import (add_device_args, add_max_batch_size, add_max_tokens, add_model_arg, add_sampling_args,
-                                 add_speculative_args, add_speed_args, load_config, speculative_config)
+                                 add_speculative_args, add_speed_args, load_config, report_plan, speculative_config)
 from blockspec.data.eval_prompts import EVAL_SETS
 
 
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, load_config(args))
     proposer = load_proposer(spec, lm)
     prompts = encode_prompts(lm, texts, chat=not args.no_chat)
+    report_plan(lm.plan.with_proposer(proposer))
     on_gpu = next(lm.model.parameters()).device.type == "cuda"
     batch = args.max_num_seqs or (8 if on_gpu else 1)
     report = evaluate_draft(lm, proposer, prompts, params, args.dataset, max_num_seqs=batch, repeats=args.repeats,

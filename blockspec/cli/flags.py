@@ -1,22 +1,24 @@
 """The flag groups the commands share, each flag declared once: the model source, where it runs (--device, --dtype),
-the target's speed options, and the sampling, speculative and engine groups, drawn from the fields of SamplingParams,
-SpeculativeConfig and EngineConfig (config_flags.py). Each group has one function from the parsed flags back to what
-it configures (sampling_params, load_config, speculative_config, engine_config), and build_llm puts them
-together."""
+the target's speed options, and the sampling, speculative and engine groups, drawn from the fields of LoadConfig,
+SamplingParams, SpeculativeConfig and EngineConfig (config_flags.py). Each group has one function from the parsed
+flags back to what it configures (sampling_params, load_config, speculative_config, engine_config), and build_llm
+puts them together."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Iterable
 
 from blockspec.cli.config_flags import add_config_flags, flag_fields, flag_name, flags_given, name_the_flag
 from blockspec.config import AUTO, OFF, EngineConfig, SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
+from blockspec.loading.load_config import LoadConfig  # no torch: the load flags are drawn from its fields
 from blockspec.sampling import SamplingParams  # no torch: it imports torch where it samples
 
 if TYPE_CHECKING:
     from blockspec.llm import LLM
-    from blockspec.loading.loader import LoadConfig
+    from blockspec.loading.platform import PlatformPlan
 
 
 def add_model_arg(p: argparse.ArgumentParser, flag: str = "--model", positional: bool = False) -> None:
@@ -38,10 +40,11 @@ def model_source(args: argparse.Namespace) -> str | None:
 
 def add_device_args(p: argparse.ArgumentParser, device: str | None = None, dtype: bool = True,
                     dtype_help: str | None = None) -> None:
-    """--device (default `device`, else cuda when available) and, unless `dtype` is False, --dtype."""
-    p.add_argument("--device", default=device, help=f"cpu | cuda (default: {device or 'cuda when available'})")
-    if dtype:
-        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help=dtype_help)
+    """--device (default `device`, else cuda when available) and, unless `dtype` is False, --dtype: LoadConfig's
+    fields (loading/load_config.py), worded for the command."""
+    add_config_flags(p, LoadConfig, ["device", "dtype"] if dtype else ["device"],
+                     device={"default": device, "help": f"cpu | cuda (default: {device or 'cuda when available'})"},
+                     **({"dtype": {"help": dtype_help}} if dtype_help else {}))
 
 
 def add_max_tokens(p: argparse.ArgumentParser, default: int, help: str | None = None) -> None:
@@ -67,38 +70,28 @@ def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> 
 
 
 def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True, cpu_quant: bool = True) -> None:
-    """The target's speed options: --cpu-packed (unless `cpu_packed` is False), --batch-invariant (outputs
-    unchanged) and --cpu-quant (unless `cpu_quant` is False; the quantized model's outputs). The
+    """The target's speed options, LoadConfig's fields: --cpu-packed (unless `cpu_packed` is False), --batch-invariant
+    (outputs unchanged) and --cpu-quant (unless `cpu_quant` is False; the quantized model's outputs). The
     drafter's (--cpu-bf16-draft, --draft-vocab-size) are speculative flags."""
     if cpu_packed:
-        p.add_argument("--cpu-packed", action="store_true",
-                       help="CPU: pack the target's (and the drafter's) linears once for oneDNN, in their own dtype "
-                            "(plain and verify steps read the weights faster; a verify step of K + 1 rows costs about "
-                            "a 1-row one)")
+        add_config_flags(p, LoadConfig, ["cpu_packed"])
     if cpu_quant:
         add_cpu_quant_arg(p)
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="GPU: the target's GEMMs and attention computed the same way whatever the batch, so greedy "
-                        "speculative output equals plain decoding token for token in bf16 too (slower GEMMs)")
+    add_config_flags(p, LoadConfig, ["batch_invariant"])
 
 
 def add_cpu_quant_arg(p: argparse.ArgumentParser, default: str = "off") -> None:
-    """--cpu-quant auto|q8|q4|off, checked at load (one line naming the flag), not by argparse choices (a usage
-    block)."""
-    p.add_argument("--cpu-quant", default=default, metavar="auto|q8|q4|off",
-                   help=f"CPU: the target's linears on packed int8 (q8) / int4 (q4) weights, dequantized inside the "
-                        f"kernel, with bf16 activations into them; auto: the fastest this CPU runs; off: as loaded "
-                        f"(default: {default}). Outputs are the quantized model's (docs/perf.md)")
+    """--cpu-quant auto|q8|q4|off (default `default`), checked at load (one line naming the flag), not by argparse
+    choices (a usage block)."""
+    help_text = next(f.metadata["help"] for f in flag_fields(LoadConfig) if f.name == "cpu_quant")
+    add_config_flags(p, LoadConfig, ["cpu_quant"], cpu_quant={
+        "default": default, "help": help_text.replace("(default: off)", f"(default: {default})")})
 
 
 def load_config(args: argparse.Namespace, **overrides: Any) -> LoadConfig:
     """The LoadConfig of --device, --dtype and the target's speed flags (add_device_args, add_speed_args), as far as
     the command registered them (the rest keep LoadConfig's defaults); overrides: the fields a command decides
     itself (a rank's device, whether the prompts need a tokenizer)."""
-    from dataclasses import fields
-
-    from blockspec.loading.loader import LoadConfig  # torch: imported when a command runs, not for --help
-
     given = {f.name: getattr(args, f.name) for f in fields(LoadConfig) if hasattr(args, f.name)}
     return LoadConfig(**{**given, **overrides})
 
@@ -109,53 +102,28 @@ def add_speculative_args(p: argparse.ArgumentParser, names: Iterable[str] | None
     add_config_flags(p, SpeculativeConfig, names, skip, **overrides)
 
 
-def speculative_config(args: argparse.Namespace, draft: str | None = None, report_flags: Iterable[str] = (),
-                       device_defaults: bool = False) -> SpeculativeConfig | None:
+def speculative_config(args: argparse.Namespace, draft: str | None = None,
+                       report_flags: Iterable[str] = ()) -> SpeculativeConfig | None:
     """The SpeculativeConfig of the drafter (--draft, else `draft`) or of --speculative-method ngram (no drafter),
     and of the speculative flags the command registered. None without either, where any speculative flag given, or
-    any of `report_flags` (flags that report on drafting, such as --trace), is an error that names it.
-    device_defaults: the commands that serve one user or many (generate, chat, serve, bench) fill the drafter's speed
-    options left unset for the device (cpu_draft_defaults)."""
+    any of `report_flags` (flags that report on drafting, such as --trace), is an error that names it. The drafting
+    options left unset stay None: the platform plan fills them for the device (loading/platform.py), in LLM and
+    load_models as in the commands."""
     given = flags_given(args, SpeculativeConfig)
     source = given.pop("draft_model", draft)
     if "ngram_max" in given and given.get("method") != "ngram":
         raise ConfigError("--ngram-max needs --speculative-method ngram", field="ngram_max")
     if source is not None or given.get("method") == "ngram":
         try:
-            spec = SpeculativeConfig(draft_model=source, **given)
+            return SpeculativeConfig(draft_model=source, **given)
         except ConfigError as e:
             raise name_the_flag(e, SpeculativeConfig) from None
-        return cpu_draft_defaults(spec, args) if device_defaults else spec
     names = [flag_name(f) for f in flag_fields(SpeculativeConfig) if f.name in given]
     names += ["--" + r.replace("_", "-") for r in report_flags if getattr(args, r)]
     if names:
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         raise BlockspecError(f"{listed} need{'s' if len(names) == 1 else ''} --draft")
     return None
-
-
-def cpu_draft_defaults(spec: SpeculativeConfig, args: argparse.Namespace) -> SpeculativeConfig:
-    """On the CPU, a DFlash drafter's speed options the user left unset take the demo's measured settings
-    (docs/perf.md): full-block drafting (with the K the calibration picks, below block_size - 1, the drafts of the
-    block shape the drafter was trained on are accepted more often, and 16 draft rows cost little next to verifying)
-    and, where the CPU has bf16 units, the drafter in bf16 (a cheaper draft pass; the target still verifies in its
-    own dtype, so outputs do not change). Other devices and methods keep the config's own defaults."""
-    from dataclasses import replace
-
-    from blockspec.layers import cpu_packed
-    from blockspec.loading.loader import resolve_device
-    from blockspec.speculative.registry import method_of
-
-    device = resolve_device(args.device)
-    if device.type != "cpu" or spec.method in ("ngram", "draft-model") or method_of(spec) != "dflash":
-        return spec
-    changes: dict[str, bool] = {}
-    if spec.full_block_drafting is None:
-        changes["full_block_drafting"] = True
-    if (spec.cpu_bf16_draft is None and getattr(args, "tensor_parallel_size", 1) == 1
-            and getattr(args, "dtype", None) in (None, "float32") and cpu_packed.bf16_supported(device)):
-        changes["cpu_bf16_draft"] = True
-    return replace(spec, **changes)
 
 
 def add_engine_args(p: argparse.ArgumentParser, names: Iterable[str] | None = None, skip: Iterable[str] = (),
@@ -212,15 +180,28 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags. With a
-    drafter, the draft length schedule it runs with is reported on stderr (measured on this machine unless given)."""
+    """The LLM (target, optional drafter, engine) the flags describe; raises BlockspecError for bad flags. The
+    command reports it (report_llm) once its own checks of it passed: a refusal stays one line."""
     from blockspec.llm import LLM
 
-    llm = LLM(model_source(args), speculative_config(args, device_defaults=True), device=args.device,
-              dtype=args.dtype, cpu_packed=args.cpu_packed, batch_invariant=args.batch_invariant,
-              cpu_quant=args.cpu_quant, **engine_config(args))
+    return LLM(model_source(args), load=load_config(args), speculative=speculative_config(args),
+               engine=EngineConfig(**engine_config(args)))
+
+
+def report_plan(plan: PlatformPlan) -> None:
+    """One stderr line: what runs the target and its drafter on this machine (loading/platform_report.summary)."""
+    import sys
+
+    from blockspec.loading.platform_report import summary
+
+    print(summary(plan), file=sys.stderr)
+
+
+def report_llm(llm: LLM) -> None:
+    """The platform plan's line and the draft length schedule's, on stderr: what every command that runs an LLM says
+    once it is built."""
+    report_plan(llm.plan)
     report_schedule(llm)
-    return llm
 
 
 def report_schedule(llm: LLM) -> None:

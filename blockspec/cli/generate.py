@@ -1,5 +1,6 @@
 """`blockspec generate`: one prompt (--prompt, --prompt-ids) streamed through the engine, or many (--prompts-file)
-through the batched engine, one JSON line each, in order; --tensor-parallel-size N serves one prompt from N ranks."""
+through the batched engine, one JSON line each, in order (--tensor-parallel-size N: served by N ranks); --explain:
+what runs the target and drafter on this machine, and why (the platform plan), without generating."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import time
 from typing import TYPE_CHECKING
 
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
-                                 add_sampling_args, add_speculative_args, add_speed_args, build_llm, engine_config,
-                                 load_config, report_schedule, sampling_params, speculative_config)
-from blockspec.config import AUTO
+                                 add_sampling_args, add_speculative_args, add_speed_args, engine_config, load_config,
+                                 report_llm, sampling_params, speculative_config)
+from blockspec.config import AUTO, EngineConfig
 from blockspec.errors import BlockspecError
 
 # KV slots of a one-prompt engine with a drafter: room for the calibration's acceptance prompts
@@ -22,10 +23,8 @@ CALIBRATION_KV_TOKENS = 1024
 # the engine, the loaders and torch are imported by run(): `generate --help` and a bad flag need none of them
 if TYPE_CHECKING:
     from blockspec.engine.outputs import RequestOutput
-    from blockspec.llm import LLM
-    from blockspec.loading.loader import LoadedModel
+    from blockspec.llm import LLM, Models
     from blockspec.sampling import SamplingParams
-    from blockspec.speculative.proposer import Proposer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--prompts-file",
                      help="many prompts: text (one per line) or JSONL with prompt/prompt_ids[/max_tokens]")
+    src.add_argument("--explain", action="store_true",
+                     help="print what runs the target and the drafter on this machine, and why (loads them), then "
+                          "exit without generating")
     add_max_batch_size(p, 32, "most requests decoded together (--prompts-file)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     add_max_tokens(p, 128)
@@ -48,50 +50,65 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockspec.llm import LLM
+    from blockspec.llm import LLM, load_models
     from blockspec.loading.detokenizer import IncrementalDecoder
-    from blockspec.loading.loader import load_model
-    from blockspec.speculative.registry import load_proposer
 
     params = sampling_params(args)
-    spec = speculative_config(args, report_flags=["trace"], device_defaults=True)
-    if args.tensor_parallel_size > 1:
-        return _run_tensor_parallel(args, params)
-    lm = load_model(args.model, load_config(args))
-    draft = load_proposer(spec, lm) if spec is not None else None
+    spec = speculative_config(args, report_flags=["trace"])
+    models = load_models(args.model, load_config(args), spec, engine_config(args).get("tensor_parallel_size", 1))
+    if args.explain:
+        return _explain(models)
     if args.prompts_file is not None:
-        return _run_prompts_file(args, lm, draft, params)
-    tok = lm.tokenizer
+        return _run_prompts_file(args, models, params)
+    lm, tok = models.lm, models.lm.tokenizer
     prompt_ids = _prompt(args, tok, lm.source.name)
     # one request through the batched engine (the same step, and on CUDA the same graphs, as every other path), with
     # a KV pool just large enough for it, or for the draft length calibration's requests (engine/calibrate.py)
-    K = draft.num_draft_tokens if draft is not None else 0
+    K = models.num_draft_tokens
     cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
-    if draft is not None:
+    if models.draft is not None:
         cap = max(cap, CALIBRATION_KV_TOKENS)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=1, num_kv_blocks=max(2, -(-cap // 16) + 1),
-                          enforce_eager=args.enforce_eager, **_schedule(args))
-    report_schedule(llm)
+    given = engine_config(args)
+    engine = EngineConfig(**{k: v for k, v in given.items() if k in ("enforce_eager", "tensor_parallel_size")},
+                          **_schedule(args), max_num_seqs=1)
+    engine = dataclasses.replace(engine, num_kv_blocks=max(2, -(-cap // engine.block_size) + 1))
+    llm = LLM.from_loaded(lm, models.draft, engine=engine, sources=models.sources)
+    report_llm(llm)
     decoder = IncrementalDecoder(tok) if tok is not None and not args.json else None
-    t0 = time.perf_counter()
-    final = None
-    for final in llm.stream([prompt_ids], params):
-        if decoder is not None:
-            sys.stdout.write(decoder.push(final.new_token_ids))
-            sys.stdout.flush()
-    elapsed = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        final = None
+        for final in llm.stream([prompt_ids], params):
+            if decoder is not None:
+                sys.stdout.write(decoder.push(final.new_token_ids))
+                sys.stdout.flush()
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.close()
     result = _result(tok, prompt_ids, final, elapsed, llm, args.trace)
     _print_result(args, result, tok, streamed=decoder is not None)
     return 0
 
 
-def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer | None,
-                      params: SamplingParams) -> int:
+def _explain(models: Models) -> int:
+    """--explain: the platform plan, what runs and why, on stdout."""
+    import torch
+
+    from blockspec.loading.platform import cpu_model
+    from blockspec.loading.platform_report import explain
+
+    plan = models.plan
+    where = torch.cuda.get_device_name(plan.device) if plan.device.startswith("cuda") else cpu_model()
+    print(explain(plan, where))
+    return 0
+
+
+def _run_prompts_file(args: argparse.Namespace, models: Models, params: SamplingParams) -> int:
     from blockspec.data.prompts_file import read_prompts_file
     from blockspec.engine.sequence import check_prompt
     from blockspec.llm import LLM
 
-    tok = lm.tokenizer
+    lm, tok = models.lm, models.lm.tokenizer
     prompts, per_params = [], []
     for s in read_prompts_file(args.prompts_file):
         if s.prompt is not None:
@@ -107,11 +124,15 @@ def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer
             raise BlockspecError(f"{args.prompts_file}:{s.line}: {e}") from None
         prompts.append(ids)
         per_params.append(dataclasses.replace(params, max_tokens=s.max_tokens) if s.max_tokens else params)
-    llm = LLM.from_loaded(lm, draft, **{**_schedule(args), **engine_config(args)})
-    report_schedule(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, per_params, use_tqdm=not args.json)
-    elapsed = time.perf_counter() - t0
+    llm = LLM.from_loaded(lm, models.draft, engine=EngineConfig(**{**_schedule(args), **engine_config(args)}),
+                          sources=models.sources)
+    report_llm(llm)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, per_params, use_tqdm=not args.json)
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.close()
     for ids, out in zip(prompts, outs):
         # time_s is the batch's wall time: the requests ran together
         record = _result(tok, ids, out, elapsed, llm, args.trace)
@@ -129,23 +150,6 @@ def _run_prompts_file(args: argparse.Namespace, lm: LoadedModel, draft: Proposer
 def _schedule(args: argparse.Namespace) -> dict:
     """The draft length schedule asked (--draft-len-schedule), by default measured on this machine."""
     return {"draft_len_schedule": engine_config(args).get("draft_len_schedule", AUTO)}
-
-
-def _run_tensor_parallel(args: argparse.Namespace, params: SamplingParams) -> int:
-    if args.prompts_file is not None or args.trace:
-        raise BlockspecError("--prompts-file and --trace are not supported with --tensor-parallel-size yet")
-    llm = build_llm(args)
-    try:
-        prompt = _prompt(args, llm.tokenizer, llm.lm.source.name)
-        t0 = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        elapsed = time.perf_counter() - t0
-    finally:
-        llm.close()
-    result = _result(llm.tokenizer, prompt, out, elapsed, llm)
-    result["tensor_parallel_size"] = args.tensor_parallel_size
-    _print_result(args, result, llm.tokenizer, streamed=False)
-    return 0
 
 
 def _prompt(args: argparse.Namespace, tok, model_name: str) -> list[int]:
@@ -180,6 +184,8 @@ def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, llm:
         "time_s": round(elapsed, 4),
         "tokens_per_second": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
     }
+    if llm.plan.tensor_parallel_size > 1:
+        result["tensor_parallel_size"] = llm.plan.tensor_parallel_size
     if llm.engine.proposer is not None:
         result["acceptance_lengths"] = out.acceptance_lengths
         result["mean_acceptance_length"] = out.mean_acceptance_length

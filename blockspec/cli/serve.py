@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from blockspec.cli.flags import add_llm_args, build_llm, model_source
+from blockspec.cli.flags import add_llm_args, build_llm, model_source, report_llm
 
 API_KEY_ENV = "BLOCKSPEC_API_KEY"
 
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, OverflowError) as e:
         raise BlockspecError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     llm = build_llm(args)
+    report_llm(llm)
     # the source as given; for the bundled default its file name (clients type this name)
     name = args.served_model_name or model_source(args) or llm.lm.source.path.stem
     body_limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from blockspec.cli.config_flags import add_config_flags, add_deprecated_alias, flags_given, name_the_flag
-from blockspec.cli.flags import add_device_args, add_dist_timeout_arg, add_model_arg
+from blockspec.cli.flags import add_device_args, add_dist_timeout_arg, add_model_arg, report_plan
 from blockspec.train.config import DFLASH2_DEFAULTS, DraftArch, TrainConfig
 
 if TYPE_CHECKING:
@@ -172,6 +172,8 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, arch: DraftArch, dp: Data
         device = "cpu" if dp.fsdp else str(dp.device)
         dtype = args.dtype or ("bfloat16" if dp.device.type == "cuda" else None)
     lm = together(lambda: load_model(args.target, LoadConfig(device=device, dtype=dtype)))
+    if dp is None or dp.main:
+        report_plan(lm.plan)
     if dp is not None and dp.fsdp:
         from blockspec.train.fsdp import shard_target
 

@@ -22,7 +22,8 @@ from blockspec.engine.observer import StepObserver
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import StepResult
 from blockspec.errors import BlockspecError
-from blockspec.loading.loader import resolve_device
+from blockspec.loading.draft_loader import LoadedDraft
+from blockspec.loading.loader import LoadedModel, resolve_device
 
 
 class BroadcastingRunner:
@@ -62,14 +63,14 @@ def _wait_ready(procs: list, ready, deadline_s: float = 3600.0) -> None:
 
 
 class TensorParallelSession:
-    """N ranks serving one LLMEngine (`engine`, on rank 0). close() stops the ranks; also run at exit."""
+    """N ranks serving one LLMEngine (`engine`, on rank 0, which shards `lm` and `draft`: its full copies on the
+    CPU, read as `spec` says, as every other rank reads them). close() stops the ranks; also run at exit."""
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig) -> None:
+    def __init__(self, spec: ModelSpec, config: EngineConfig, lm: LoadedModel, draft: LoadedDraft | None) -> None:
         n = config.tensor_parallel_size
-        lm, draft = spec.load(with_tokenizer=True)
         check_tp_size(n, lm.config, f"target ({lm.source.path})")
         if draft is not None:
-            check_tp_size(n, draft.config, f"draft ({spec.speculative_config.draft_model})")
+            check_tp_size(n, draft.config, f"draft ({spec.speculative.draft_model})")
         port, ctx = free_port(), mp.get_context("spawn")
         ready = ctx.Queue()
         self.procs = [ctx.Process(target=worker_main, args=(r, n, port, spec, config, ready), daemon=True,
@@ -83,7 +84,7 @@ class TensorParallelSession:
                 p.terminate()
             self._stop_procs()
             raise
-        self.tp = init_tp(0, n, port, resolve_device(spec.device))
+        self.tp = init_tp(0, n, port, resolve_device(spec.load.device))
         lm, draft = shard_pair(lm, draft, self.tp)
         self.lm = lm
         self.engine = LLMEngine(lm, draft, config, wrap_runner=lambda runner: BroadcastingRunner(runner, self.tp))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,18 +33,18 @@ from blockspec.speculative.stats import SpecStats
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Where every rank reads the models from (picklable: it is sent to the spawned ranks)."""
+    """Where every rank reads the models from and how (picklable: it is sent to the spawned ranks): the target's
+    source, its LoadConfig (device: the ranks' device type) and the drafter's SpeculativeConfig (None: none)."""
 
-    model: str | None
-    speculative_config: SpeculativeConfig | None
-    device: str | None
-    dtype: str | None
+    source: str | None
+    load: LoadConfig
+    speculative: SpeculativeConfig | None
 
-    def load(self, with_tokenizer: bool) -> tuple[LoadedModel, LoadedDraft | None]:
+    def load_models(self, with_tokenizer: bool) -> tuple[LoadedModel, LoadedDraft | None]:
         """The full models on the CPU in the final dtype (sharded, then moved to the rank's device)."""
-        dtype = str(resolve_dtype(self.dtype, resolve_device(self.device))).removeprefix("torch.")
-        lm = load_model(self.model, LoadConfig(device="cpu", dtype=dtype, with_tokenizer=with_tokenizer))
-        draft = load_draft(self.speculative_config, lm) if self.speculative_config is not None else None
+        dtype = str(resolve_dtype(self.load.dtype, resolve_device(self.load.device))).removeprefix("torch.")
+        lm = load_model(self.source, replace(self.load, device="cpu", dtype=dtype, with_tokenizer=with_tokenizer))
+        draft = load_draft(self.speculative, lm) if self.speculative is not None else None
         return lm, draft
 
 
@@ -85,15 +85,15 @@ def serve(tp: TPGroup, runner: ModelRunner) -> None:
 
 def worker_main(rank: int, world: int, port: int, spec: ModelSpec, config: EngineConfig, ready) -> None:
     """Entry of a spawned rank. Reports on `ready` once loaded (or why it could not load), then serves."""
-    if spec.device in (None, "cpu") and not torch.cuda.is_available():
+    if spec.load.device in (None, "cpu") and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the host's cores
     try:
-        lm, draft = spec.load(with_tokenizer=False)
+        lm, draft = spec.load_models(with_tokenizer=False)
     except Exception:  # noqa: BLE001 - reported to rank 0, which raises it to the user
         ready.put((rank, traceback.format_exc()))
         return
     ready.put((rank, None))
-    tp = init_tp(rank, world, port, resolve_device(spec.device))
+    tp = init_tp(rank, world, port, resolve_device(spec.load.device))
     try:
         lm, draft = shard_pair(lm, draft, tp)
         # the runner alone: its models and KV pool, no scheduler (rank 0 schedules and broadcasts every call)

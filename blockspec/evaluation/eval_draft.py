@@ -4,7 +4,6 @@ batched engine, timed as evaluation/throughput.py times (warmed engines, alterna
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from blockspec.config import OFF, EngineConfig
 from blockspec.evaluation.throughput import interleaved, run_order, speedup_range
@@ -73,16 +72,15 @@ def acceptance_stats(outs: list[RequestOutput], k: int) -> SpecStats:
     return stats
 
 
-def eval_engine(prompts: list[list[int]], max_tokens: int, k: int, max_num_seqs: int) -> dict[str, Any]:
+def eval_engine(prompts: list[list[int]], max_tokens: int, k: int, max_num_seqs: int) -> EngineConfig:
     """Engine settings of an evaluation run with K drafts (0: plain only): room for every running request's prompt,
     response and verify window, so nothing is preempted mid-measurement; and K drafts in every step, whatever the
     batch: a drafter's recorded draft-length table for this device (speculative/schedule.py) would mix steps of
     other K, plain steps included, into the acceptance it reports as the drafter's at K (an H100 run of the bundled
     drafter read tau 3.18 instead of 4.03 on HumanEval, fp32, the same outputs)."""
     per_request = max(map(len, prompts)) + max_tokens + k + 1 + EngineConfig.block_size  # + page rounding
-    return dict(max_num_seqs=max_num_seqs, kv_cache_tokens=min(max_num_seqs, len(prompts)) * per_request,
-                max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)),
-                draft_len_schedule=OFF)
+    return EngineConfig(max_num_seqs=max_num_seqs, kv_cache_tokens=min(max_num_seqs, len(prompts)) * per_request,
+                        max_num_batched_tokens=max(1024, 2 * max_num_seqs * (k + 1)), draft_len_schedule=OFF)
 
 
 def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list[list[int]], params: SamplingParams,
@@ -97,7 +95,7 @@ def evaluate_draft(lm: LoadedModel, draft: Proposer | LoadedDraft, prompts: list
     per_prompt = params if params.greedy else [replace(params, seed=(params.seed or 0) + i)
                                                for i in range(len(prompts))]
     order = run_order(first, repeats)
-    runs = interleaved(lambda mode: LLM.from_loaded(lm, draft if mode == "spec" else None, **engine), prompts,
+    runs = interleaved(lambda mode: LLM.from_loaded(lm, draft if mode == "spec" else None, engine=engine), prompts,
                        per_prompt, order, use_tqdm)
     spec_runs, plain_runs = runs["spec"], runs["plain"]
     spec, plain = spec_runs.outputs, plain_runs.outputs

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from blockspec.config import EngineConfig
+from blockspec.distributed.worker import ModelSpec
 from blockspec.engine.decode_step import buckets
 from blockspec.engine.outputs import RequestOutput
 from blockspec.evaluation.compile_watch import kernel_compiles
@@ -186,9 +187,22 @@ def report(runs: dict[str, ModeRuns], order: list[str]) -> dict:
 
 
 def bench(lm: LoadedModel, draft: Proposer | LoadedDraft | None, prompts: list[list[int]], params: SamplingParams,
-          repeats: int = 2, first: str = "plain", **engine_config) -> dict:
-    """Plain (and with `draft` speculative) throughput, each mode on its own engines, `repeats` runs each."""
+          repeats: int = 2, first: str = "plain", engine: EngineConfig | None = None,
+          sources: ModelSpec | None = None) -> dict:
+    """Plain (and with `draft` speculative) throughput, `repeats` runs each. On one device each run gets engines of
+    its own; an engine served by tensor-parallel ranks (engine.tensor_parallel_size > 1; `sources`: where the ranks
+    read the models) is started once and times every run, with its prefix cache off (a repeated run's prefill would
+    be a cache hit), which the report's "prompts" notes."""
+    engine = engine or EngineConfig()
     order = run_order(first, repeats, draft is not None)
-    runs = interleaved(lambda mode: LLM.from_loaded(lm, draft if mode == "spec" else None, **engine_config),
-                       prompts, params, order)
-    return report(runs, order)
+    if engine.tensor_parallel_size == 1:
+        runs = interleaved(lambda mode: LLM.from_loaded(lm, draft if mode == "spec" else None, engine=engine),
+                           prompts, params, order)
+        return report(runs, order)
+    shared = LLM.from_loaded(lm, draft, engine=replace(engine, enable_prefix_caching=False), sources=sources)
+    try:
+        runs = interleaved(lambda mode: shared, prompts, params, order)
+    finally:
+        shared.close()
+    return {**report(runs, order), "prompts": {"prefix_caching": False},
+            "tensor_parallel_size": engine.tensor_parallel_size}

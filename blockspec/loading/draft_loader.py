@@ -11,7 +11,7 @@ import torch
 
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import ConfigError, ModelLoadError
-from blockspec.layers import cpu_packed
+from blockspec.loading import platform
 from blockspec.loading.dflash_options import ResolvedSpec, resolve_spec
 from blockspec.loading.loader import LoadedModel
 from blockspec.loading.native_stack import attach_draft, draft_fallback
@@ -36,6 +36,8 @@ class LoadedDraft:
     spec: ResolvedSpec
     source: Path | None = None  # the checkpoint directory it was loaded from (None: built in memory)
     draft_vocab_size: int | None = None  # argmax drafts over ids < N (SpeculativeConfig.draft_vocab_size)
+    variant: str = platform.DRAFT_PLAIN  # what runs it (platform.drafter_variant)
+    reasons: tuple[str, ...] = ()  # why the native drafter was not used, where it was not
 
 
 def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
@@ -56,22 +58,23 @@ def load_draft(spec: SpeculativeConfig, target: LoadedModel) -> LoadedDraft:
         raise ConfigError(f"draft_vocab_size={n} is below this DFlash 2 drafter's selector_top_k="
                           f"{cfg.selector_top_k} (its candidates per position)", field="draft_vocab_size")
     param = next(target.model.parameters())
-    if spec.cpu_bf16_draft:
-        _check_cpu_bf16(param.device)
+    if spec.cpu_bf16_draft and (why := platform.check_cpu_bf16_draft(param.device)) is not None:
+        raise ModelLoadError(why)
     with torch.device("meta"):
         model = model_class(cfg, num_taps=len(resolved.target_layer_ids))
     model = model.to_empty(device=param.device).to(param.dtype)
     load_weights(model, _zlab_names(source.tensors()), where, prefix="")
     # a target on the native q4 stack drafts on the native kernels too (Q8_0, one call per pass); else a packed
-    # target's drafter is packed too, in its dtype, and cpu_bf16_draft packs it in bf16
-    native = draft_fallback(model, target.model) is None
-    pack = None if native else torch.bfloat16 if spec.cpu_bf16_draft else param.dtype if target.cpu_packed else None
+    # target's drafter is packed too, in its dtype, and cpu_bf16_draft packs it in bf16 (platform.drafter_variant)
+    variant, reasons = platform.drafter_variant(target.plan, bool(spec.cpu_bf16_draft),
+                                                draft_fallback(model, target.model))
+    pack = {platform.DRAFT_BF16: torch.bfloat16, platform.DRAFT_PACKED: param.dtype}.get(variant)
     prepare_draft(model, target.model.lm_head, pack, resolved.draft_rows(resolved.num_draft_tokens),
                   spec.draft_vocab_size)
-    if native:
+    if variant == platform.DRAFT_NATIVE:
         attach_draft(model, target.model)
     return LoadedDraft(model.eval(), cfg, resolved, source.path if source.path.is_dir() else None,
-                       spec.draft_vocab_size)
+                       spec.draft_vocab_size, variant, reasons)
 
 
 def _zlab_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -82,10 +85,3 @@ def _zlab_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
             name = name.removesuffix(".weight")
         yield name, t
 
-
-def _check_cpu_bf16(device: torch.device) -> None:
-    if device.type != "cpu":
-        raise ModelLoadError(f"cpu_bf16_draft=True needs the target on the CPU, but it is on {device}")
-    if not cpu_packed.bf16_supported(device):
-        raise ModelLoadError("cpu_bf16_draft=True needs a CPU with oneDNN bf16 kernels (AVX512-BF16 or AMX); this "
-                             "one has none: leave cpu_bf16_draft off")

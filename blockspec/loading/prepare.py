@@ -1,10 +1,11 @@
 """Prepare loaded models for the platform they run on: once, at load, every projection becomes the variant this
 platform runs, and no module changes shape afterwards.
 
-Target (load_model): nn.Linear (the reference; tensor-parallel shards are cut from these by distributed/shard.py),
-every linear packed for oneDNN (cpu_packed, layers/cpu_packed.py), on packed int4 / int8 weights (cpu_quant,
-layers/cpu_quant.py; `auto` becomes the fastest mode this CPU runs here), or behind the batch-invariant GEMM
-(batch_invariant, layers/invariant_linear.py). On CUDA its fused Triton prologue runs by itself (layers/kernels.py).
+Target (load_model): the variant the platform plan chose (loading/platform.py): nn.Linear (the reference;
+tensor-parallel shards are cut from these by distributed/shard.py), every linear packed for oneDNN (cpu_packed,
+layers/cpu_packed.py), on packed int4 / int8 weights (cpu_quant, layers/cpu_quant.py), with the native layer stack
+where it runs the model, or behind the batch-invariant GEMM (batch_invariant, layers/invariant_linear.py). On CUDA
+its fused Triton prologue runs by itself (layers/kernels.py).
 
 Drafter (load_draft): LinearQKV and nn.Linear (the reference and training; on CUDA the fused prologue runs by itself,
 as the target's), or, packed for oneDNN in its own dtype or in bf16 (a packed target's drafter, cpu_bf16_draft):
@@ -16,86 +17,41 @@ beat the quantized kernels, whose cost grows with every 4 rows (docs/perf.md).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 from torch import nn
 
-from blockspec.errors import BlockspecError
 from blockspec.layers import cpu_packed, cpu_quant, kernels
 from blockspec.layers.cpu_packed import PackedLinear
 from blockspec.layers.cpu_quant import QuantLinear
 from blockspec.layers.moe import SparseMoeBlock
+from blockspec.loading.platform import NATIVE_STACK, PlatformPlan
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash_io import Cast, OwnHead, VocabPrefixHead
 from blockspec.models.qkv import PackedContextKV, PackedQKV
 
 
-@dataclass(frozen=True)
-class TargetOptions:
-    """cpu_packed: every linear packed once for oneDNN (faster plain and verify steps on the CPU, same dtype; the
-    model can then no longer be trained or moved). batch_invariant: every linear behind the batch-invariant GEMM,
-    so with the engine's deterministic target attention greedy speculative output equals plain decoding bit for bit
-    in any dtype (GPU; on CPU only under the Triton interpreter, for tests). cpu_quant: auto | q8 | q4 | off, the
-    target's linears on packed int8 / int4 weights dequantized inside the kernel (CPU; bf16 activations into each
-    linear, so outputs are those of the quantized model, and greedy speculative output still equals its plain
-    decoding); linears whose shape the kernel does not take stay as cpu_packed leaves them."""
+def prepare_target(model: nn.Module, plan: PlatformPlan) -> PlatformPlan:
+    """The target's linears in the variant `plan` chose, in place (refused combinations were refused by
+    platform.plan, before any weight was read); returns the plan completed for this model (PlatformPlan.at_load:
+    whether the native stack runs it)."""
+    if plan.cpu_quant != "off":
+        cpu_quant.quantize_target(model, plan.cpu_quant)
+        plan = plan.at_load(model)
+        if plan.target == NATIVE_STACK:
+            from blockspec.loading.native_stack import attach_target
 
-    cpu_packed: bool = False
-    batch_invariant: bool = False
-    cpu_quant: str = "off"
-
-    def resolve(self, device: torch.device) -> TargetOptions:
-        """These options with cpu_quant `auto` replaced by the mode this device runs fastest (off where none)."""
-        return replace(self, cpu_quant=cpu_quant.resolve(self.cpu_quant, device))
-
-    def check(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Refuse what this platform cannot run, before any weight is read (cpu_quant resolved already)."""
-        if self.cpu_packed:
-            _check_cpu_packed(device, dtype)
-        if self.cpu_quant != "off" and not cpu_quant.supported(self.cpu_quant, device):
-            where = (f"the model is on {device}" if device.type != "cpu"
-                     else "this CPU or torch build has no vectorized kernel for it")
-            raise BlockspecError(f"cpu_quant={self.cpu_quant!r} (--cpu-quant) runs torch's CPU quantized matmuls, "
-                                 f"but {where}; use --cpu-quant auto or off")
-        if self.batch_invariant:
-            if self.cpu_packed or self.cpu_quant != "off":
-                flag = ("cpu_packed=True (--cpu-packed)" if self.cpu_packed
-                        else f"cpu_quant={self.cpu_quant!r} (--cpu-quant)")
-                raise BlockspecError(f"batch_invariant=True (--batch-invariant) and {flag} exclude each other")
-            if not kernels.fused_device(device):
-                raise BlockspecError(f"batch_invariant=True (--batch-invariant) runs Triton kernels and needs a CUDA "
-                                     f"device, got {device.type!r} (fp32 on CPU is the exactness reference instead)")
-
-
-def _check_cpu_packed(device: torch.device, dtype: torch.dtype) -> None:
-    if not cpu_packed.fp32_supported(device):
-        where = (f"the model is on {device}" if device.type != "cpu"
-                 else "this torch build cannot pack linears for oneDNN (mkldnn)")
-        raise BlockspecError(f"cpu_packed=True (--cpu-packed) needs a CPU with oneDNN, but {where}")
-    bf16_ok = dtype == torch.bfloat16 and cpu_packed.bf16_supported(device)
-    if dtype != torch.float32 and not bf16_ok:
-        raise BlockspecError(f"cpu_packed=True (--cpu-packed) packs fp32 weights (bf16 on CPUs with bf16 kernels), "
-                             f"not {dtype}")
-
-
-def prepare_target(model: nn.Module, options: TargetOptions) -> None:
-    """The target's linears in this platform's variant, in place (options resolved and checked already)."""
-    if options.cpu_quant != "off":
-        cpu_quant.quantize_target(model, options.cpu_quant)
-        from blockspec.loading.native_stack import attach_target
-
-        attach_target(model)
-    if options.cpu_packed:  # after quantizing: packs the linears the quantized kernel does not take
+            attach_target(model)
+    if plan.cpu_packed:  # after quantizing: packs the linears the quantized kernel does not take
         cpu_packed.pack_target(model)
     if kernels.fused_device(next(model.parameters()).device):  # before the batch-invariant swap takes the weights
         for module in model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.stack_experts()  # the fused MoE kernel's stacked weights (layers/fused_moe.py)
-    if options.batch_invariant:
+    if plan.batch_invariant:
         from blockspec.layers.invariant_linear import make_batch_invariant  # imports triton
 
         make_batch_invariant(model)
+    return plan
 
 
 def prepare_draft(model: DFlashDraftModel, lm_head: nn.Module, pack_dtype: torch.dtype | None, rows_hint: int,

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from blockspec.config import EngineConfig
 from blockspec.data.eval_prompts import EVAL_SETS
 from blockspec.data.exclusion import filter_prompts
 from blockspec.data.prompts import encode_prompts
@@ -76,9 +77,10 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
         verify = draft.spec.num_draft_tokens + 1 if draft is not None else 0
         kv_cache_tokens = seqs * (mean_prompt + max_tokens + verify) + max(map(len, kept)) + max_tokens + verify + 1
     # admissions in groups of 1/16 of the batch: most steps stay on the decode step's CUDA graph (EngineConfig)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
-                          max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs), min_admit=max(1, seqs // 16),
-                          split_mixed_steps=on_gpu if split_mixed_steps is None else split_mixed_steps)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(
+        max_num_seqs=seqs, kv_cache_tokens=kv_cache_tokens,
+        max_num_batched_tokens=16384 if on_gpu else max(2048, 2 * seqs), min_admit=max(1, seqs // 16),
+        split_mixed_steps=on_gpu if split_mixed_steps is None else split_mixed_steps))
     # Written in chunks, each as soon as all its requests are done (OUT/parts/part-N): a run stopped by a time limit
     # keeps its finished chunks, and the same command continues after them.
     chunk = CHUNK_BATCHES * seqs

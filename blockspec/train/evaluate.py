@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.loading.dflash_options import resolve_spec
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
@@ -31,8 +31,9 @@ def evaluate_tau(lm: LoadedModel, model: DFlashDraftModel, prompts: list[list[in
 
     t0 = time.perf_counter()
     # eager: capturing CUDA graphs for a drafter that lives for one evaluation would cost more than it saves
-    llm = LLM.from_loaded(lm, inference_draft(lm, model), max_num_seqs=min(len(prompts), 32), enforce_eager=True,
-                          max_model_len=max(map(len, prompts)) + max_tokens + model.config.block_size)
+    llm = LLM.from_loaded(lm, inference_draft(lm, model), engine=EngineConfig(
+        max_num_seqs=min(len(prompts), 32), enforce_eager=True,
+        max_model_len=max(map(len, prompts)) + max_tokens + model.config.block_size))
     with torch.inference_mode():
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
     lengths = [n for o in outs for n in o.acceptance_lengths]
