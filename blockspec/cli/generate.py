@@ -50,25 +50,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockspec.engine.sequence import check_prompt
     from blockspec.llm import LLM, load_models
     from blockspec.loading.detokenizer import IncrementalDecoder
 
     params = sampling_params(args)
     spec = speculative_config(args, report_flags=["trace"])
-    models = load_models(args.model, load_config(args), spec, engine_config(args).get("tensor_parallel_size", 1))
+    given = engine_config(args)
+    models = load_models(args.model, load_config(args), spec, given.get("tensor_parallel_size", 1))
     if args.explain:
         return _explain(models)
     if args.prompts_file is not None:
         return _run_prompts_file(args, models, params)
     lm, tok = models.lm, models.lm.tokenizer
     prompt_ids = _prompt(args, tok, lm.source.name)
+    check_prompt(prompt_ids, lm.config.vocab_size, lm.config.max_position_embeddings)  # before the engine is built
     # one request through the batched engine (the same step, and on CUDA the same graphs, as every other path), with
     # a KV pool just large enough for it, or for the draft length calibration's requests (engine/calibrate.py)
     K = models.num_draft_tokens
     cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
     if models.draft is not None:
         cap = max(cap, CALIBRATION_KV_TOKENS)
-    given = engine_config(args)
     engine = EngineConfig(**{k: v for k, v in given.items() if k in ("enforce_eager", "tensor_parallel_size")},
                           **_schedule(args), max_num_seqs=1)
     engine = dataclasses.replace(engine, num_kv_blocks=max(2, -(-cap // engine.block_size) + 1))

@@ -33,7 +33,7 @@ class LoadConfig:
         "metavar": "|".join(CPU_QUANT_MODES),
         "help": "CPU: the target's linears on packed int8 (q8) / int4 (q4) weights, dequantized inside the kernel, "
                 "with bf16 activations into them; auto: the fastest this CPU runs; off: as loaded (default: off). "
-                "Outputs are the quantized model's (docs/perf.md)"})
+                "Outputs are the quantized model's (docs/performance.md)"})
     # GPU: GEMMs and attention computed per row independently of the batch
     batch_invariant: bool = field(default=False, metadata={
         "help": "GPU: the target's GEMMs and attention computed the same way whatever the batch, so greedy "
