@@ -24,8 +24,8 @@ def cache_shape(lm) -> CacheShape:
     return own() if own is not None else CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
 
 
-def batch_of(runs: list[tuple[list[int], int, int]]) -> PagedBatch:
-    """runs: per sequence (its block table, first position, rows) -> the batch of those rows."""
+def batch_of(runs: list[tuple[list[int], int, int]], device: torch.device | str = "cpu") -> PagedBatch:
+    """runs: per sequence (its block table, first position, rows) -> the batch of those rows, on `device`."""
     pos, slots, starts = [], [], [0]
     for table, first, n in runs:
         p = list(range(first, first + n))
@@ -34,9 +34,10 @@ def batch_of(runs: list[tuple[list[int], int, int]]) -> PagedBatch:
         starts.append(starts[-1] + n)
     width = max(len(t) for t, _, _ in runs)
     tables = torch.tensor([t + [0] * (width - len(t)) for t, _, _ in runs])
-    return PagedBatch(torch.tensor(pos), torch.tensor(slots), torch.tensor(starts, dtype=torch.int32),
-                      torch.tensor([f + n for _, f, n in runs], dtype=torch.int32), tables, max(n for *_, n in runs),
-                      max(f + n for _, f, n in runs))
+    return PagedBatch(torch.tensor(pos, device=device), torch.tensor(slots, device=device),
+                      torch.tensor(starts, dtype=torch.int32, device=device),
+                      torch.tensor([f + n for _, f, n in runs], dtype=torch.int32, device=device), tables.to(device),
+                      max(n for *_, n in runs), max(f + n for _, f, n in runs))
 
 
 def prefill_decode(lm, prompts: Sequence[torch.Tensor], splits: Sequence[int], taps: Sequence[int] = (),
@@ -52,7 +53,8 @@ def prefill_decode(lm, prompts: Sequence[torch.Tensor], splits: Sequence[int], t
     for n in blocks_each:
         tables.append(order[start:start + n])
         start += n
-    pool = KVPool(len(order), BLOCK, shape, None, torch.float32, torch.device("cpu"))
+    param = next(lm.model.parameters())  # the pool on the model's device, in its dtype
+    pool = KVPool(len(order), BLOCK, shape, None, param.dtype, param.device)
     done = [0] * len(prompts)
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     tapped: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -61,14 +63,14 @@ def prefill_decode(lm, prompts: Sequence[torch.Tensor], splits: Sequence[int], t
         while any(d < len(p) for d, p in zip(done, prompts)):
             live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
             rows = {i: (want[i] if done[i] == 0 else 1) for i in live}
-            b = batch_of([(tables[i], done[i], rows[i]) for i in live])
-            ids = torch.cat([prompts[i][done[i]:done[i] + rows[i]] for i in live])
+            b = batch_of([(tables[i], done[i], rows[i]) for i in live], param.device)
+            ids = torch.cat([prompts[i][done[i]:done[i] + rows[i]] for i in live]).to(param.device)
             out = lm.model(ids, b.positions, attention(pool, b), tap_layers=list(taps))
             at = 0
             for i in live:
-                logits[i].append(out.logits[at:at + rows[i]])
+                logits[i].append(out.logits[at:at + rows[i]].cpu())
                 if taps:
-                    tapped[i].append(out.taps[at:at + rows[i]])
+                    tapped[i].append(out.taps[at:at + rows[i]].float().cpu())
                 at += rows[i]
                 done[i] += rows[i]
     return [(torch.cat(lg), torch.cat(tp) if taps else None) for lg, tp in zip(logits, tapped)]
@@ -111,3 +113,19 @@ class TritonTargetAttention(AttentionBase):
             store_kv(k, v, kc, vc, b.slot_mapping)
         return paged_attention(q, kc, vc, b.positions, b.query_start, b.kv_lens, b.block_tables, self.pool.block_size,
                                scale, b.max_q_len, causal=True, window=window, max_kv_len=b.max_kv_len, sinks=sinks)
+
+
+def assert_same_as_cpu(path: str, prompts: Sequence[torch.Tensor], splits: Sequence[int], tol: float = 1e-4) -> None:
+    """The checkpoint at `path` in fp32 on CUDA through the Triton paged kernel (and the fused kernels CUDA runs)
+    gives the logits and taps of the CPU reference path, which the CPU tests hold equal to transformers' (compared
+    with our CPU numbers rather than transformers' own: the device machine's transformers may be another version)."""
+    from blockspec.loading.loader import LoadConfig, load_model
+
+    cpu = load_model(path, LoadConfig(device="cpu", with_tokenizer=False))
+    gpu = load_model(path, LoadConfig(device="cuda", dtype="float32", with_tokenizer=False))
+    taps = list(range(cpu.config.num_hidden_layers))
+    want = prefill_decode(cpu, prompts, splits, taps)
+    got = prefill_decode(gpu, prompts, splits, taps, TritonTargetAttention)
+    for (gl, gt), (wl, wt) in zip(got, want):
+        for g, w in ((gl, wl), (gt, wt)):
+            assert (g - w).abs().max().item() <= tol * max(1.0, w.abs().max().item())

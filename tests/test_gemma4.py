@@ -172,3 +172,15 @@ def test_bad_configs_fail_in_one_line_naming_the_field(ckpt, tmp_path, edit, fie
         load_model(str(d), CPU)
     msg = str(e.value)
     assert e.value.field == field and f"field {field!r}" in msg and needle in msg and "\n" not in msg, msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_through_the_triton_kernel_matches_transformers(name, tmp_path):
+    """fp32 on CUDA: the Triton rotary and paged kernel (each layer's window, a pool of the model's shape, shared
+    K/V read without storing), the grouped experts: the CPU reference's numbers."""
+    from paged_utils import assert_same_as_cpu
+
+    seed, overrides, _ = CONFIGS[name]
+    make_hf(seed, **overrides).save_pretrained(str(tmp_path / "m"))
+    assert_same_as_cpu(str(tmp_path / "m"), *prompts())

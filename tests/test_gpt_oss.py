@@ -242,3 +242,15 @@ def test_bank_of_the_wrong_shape_names_the_tensor(ckpt, tmp_path):
     with pytest.raises(ModelLoadError, match=r"tensor 'model.layers.1.mlp.experts.down_proj' has shape \(4, 32, 64\); "
                                              r"the config expects \(8, 32, 64\)"):
         load_model(str(d), CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_through_the_triton_kernel_matches_transformers(name, tmp_path):
+    """fp32 on CUDA: the fused prologue (k/v written into the pool by it), the Triton paged kernel with the layer's
+    window and sinks (as attention/backends.py must pass them), the grouped experts: the CPU reference's numbers."""
+    from paged_utils import assert_same_as_cpu
+
+    seed, overrides = CONFIGS[name]
+    make_hf(seed, **overrides).save_pretrained(str(tmp_path / "m"))
+    assert_same_as_cpu(str(tmp_path / "m"), *prompts())
