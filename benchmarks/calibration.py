@@ -16,10 +16,11 @@ import torch
 from benchmarks.datagen import SMOLLM2_135M
 from benchmarks.random_pair import make_pair
 from benchmarks.step import DRAFT_LAYERS, MASK as QWEN_MASK, QWEN3_8B, TAPS as QWEN_TAPS
+from blockspec.config import EngineConfig
 from blockspec.engine import calibrate
 from blockspec.llm import LLM
 from blockspec.loading.bundled_draft import bundled_draft_path
-from blockspec.speculative.schedule import SCHEDULE_FILE
+from blockspec.speculative.schedule import SCHEDULE_FILE, schedule_for_batches
 
 SHAPES = {"smollm2-135m": (SMOLLM2_135M, 4, [1, 8, 14, 20, 27], 49151),
           "qwen3-8b": (QWEN3_8B, DRAFT_LAYERS, QWEN_TAPS, QWEN_MASK)}
@@ -39,12 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     tables = json.loads((bundled_draft_path() / SCHEDULE_FILE).read_text())
     reference = next(iter(tables.values()))
     per_position = reference["per_position_acceptance"]
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 512)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=max(batches), kv_cache_tokens=max(batches) * 512))
     t0 = time.perf_counter()
     costs = calibrate.measure_costs(llm.engine, per_position, batches)
     seconds = time.perf_counter() - t0
     step_ms = {b: {k: s * 1e3 for k, s in by_k.items()} for b, by_k in costs.items()}
-    schedule = calibrate._schedule(step_ms, per_position, batches)
+    schedule = schedule_for_batches(step_ms, per_position, batches)
     for b, by_k in step_ms.items():
         print(f"batch {b:3d}: " + "  ".join(f"K={k} {ms:.2f} ms" for k, ms in by_k.items()), flush=True)
     print(f"calibrated in {seconds:.1f}s on {calibrate.device_name(device)}: "

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.parts import floor_bytes, floor_ms
 from benchmarks.random_pair import make_pair
-from benchmarks.step import copy_bandwidth, decode_inputs, free_memory, time_ms
+from benchmarks.step import copy_bandwidth, decode_step, free_memory, time_ms
 from blockspec.layers.moe import SparseMoeBlock
 
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -37,8 +37,7 @@ def expert_bytes(block: SparseMoeBlock) -> int:
 def step(lm, draft, B: int, ctx: int, K: int) -> dict:
     """Graph ms of one decode step of B requests at context ctx (K drafts, 0: plain) and the experts each MoE layer
     read in it (one eager pass of the same step)."""
-    engine, buf = decode_inputs(lm, draft, B, ctx, K)
-    dec, rows = engine.runner.decode, buf.sampling
+    engine, bench = decode_step(lm, draft, B, ctx, K)
     unions: list[int] = []
     blocks = [m for m in lm.model.modules() if isinstance(m, SparseMoeBlock)]
     route = SparseMoeBlock.route
@@ -51,11 +50,11 @@ def step(lm, draft, B: int, ctx: int, K: int) -> dict:
     with torch.inference_mode():
         SparseMoeBlock.route = recorded
         try:
-            dec.forward(buf, rows, K)
+            bench.eager()
         finally:
             SparseMoeBlock.route = route
-        dec.replay(buf, rows, K, K)  # warm-up + capture
-        ms = time_ms(lambda: dec.replay(buf, rows, K, K), 30)
+        bench.graph()  # warm-up + capture
+        ms = time_ms(bench.graph, 30)
     return {"ms": ms, "experts_read": unions[:len(blocks)], "rows": B * (K + 1)}
 
 

@@ -1,5 +1,5 @@
-"""Step benchmark on the GPU, in one run: the engine's own decode step (`engine.runner.decode`, replayed from its
-CUDA graph) for plain AR decoding and for DFlash spec decoding (verify B x (K+1) + accept + context append + next
+"""Step benchmark on the GPU, in one run: the engine's own decode step (`engine.decode_step_bench`, replayed from
+its CUDA graph) for plain AR decoding and for DFlash spec decoding (verify B x (K+1) + accept + context append + next
 drafts), on a Qwen3-8B-shaped bf16 target with random weights and a 5-layer block-16 drafter, against
   - the floor: the bytes a step must read (benchmarks/parts.py, FLOOR_DEFINITION: the matrices it multiplies, the
     embedding rows it gathers, the K/V it attends; per batch and context) / copy bandwidth measured in the same run;
@@ -24,8 +24,8 @@ from benchmarks.parts import apply_floor, with_floor
 from benchmarks.random_pair import make_pair
 from benchmarks.stage_times import observe
 from blockspec.config import EngineConfig
-from blockspec.engine.decode_step import DecodeBuffers
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.engine.step_bench import DecodeStepBench
 from blockspec.loading.dflash_options import ResolvedSpec
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel, instantiate
@@ -68,19 +68,13 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def decode_inputs(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
-                  ) -> tuple[LLMEngine, DecodeBuffers]:
-    """An engine for B requests and the decode step's inputs: B random tokens each at context ctx, K drafts, every
-    request's blocks laid out in turn."""
-    per = -(-(ctx + 2 * K + 2) // 16)
+def decode_step(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
+                ) -> tuple[LLMEngine, DecodeStepBench]:
+    """An engine for B requests and its decode step on B random tokens each at context ctx, verifying K drafts,
+    every request's blocks laid out in turn (LLMEngine.decode_step_bench)."""
+    per = -(-(ctx + 2 * K + 2) // 16)  # 16: EngineConfig's default KV block size
     engine = LLMEngine(lm, draft, EngineConfig(max_num_seqs=B, num_kv_blocks=B * per))
-    dec = engine.runner.decode
-    buf = DecodeBuffers.allocate(B, K, dec.draft_rows(K), dec.width, None, torch.device("cuda"))
-    buf.input_ids.random_(0, lm.config.vocab_size)
-    buf.start.fill_(ctx)
-    buf.valid.fill_(True)
-    buf.block_tables[:, :per] = torch.arange(B * per, device="cuda").view(B, per)
-    return engine, buf
+    return engine, engine.decode_step_bench(B, K, ctx)
 
 
 def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int | None = None,
@@ -91,16 +85,14 @@ def step_ms(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, K: int
 
     if K is None:
         K = draft.spec.num_draft_tokens if draft is not None else 0
-    engine, buf = decode_inputs(lm, draft, B, ctx, K)
-    dec = engine.runner.decode
-    rows = buf.sampling  # greedy rows (SamplingRows.allocate)
+    engine, step = decode_step(lm, draft, B, ctx, K)
     with torch.inference_mode():
-        dec.replay(buf, rows, K, K)  # warm-up + capture
-        graph = time_ms(lambda: dec.replay(buf, rows, K, K), 30)
+        step.graph()  # warm-up + capture
+        graph = time_ms(step.graph, 30)
         if not eager:
             return graph, None, None
-        eager_ms = time_ms(lambda: dec.forward(buf, rows, K), 10)
-        parts = breakdown(lambda: dec.forward(buf, rows, K), graph) if B == 1 and ctx == 1024 else None
+        eager_ms = time_ms(step.eager, 10)
+        parts = breakdown(step.eager, graph) if B == 1 and ctx == 1024 else None
     return graph, eager_ms, parts  # the engine and its pool are freed on return
 
 
@@ -128,8 +120,9 @@ def end_to_end(lm: LoadedModel, draft: LoadedDraft | None, B: int, ctx: int, new
     from blockspec.llm import LLM
 
     forced = ForcedAcceptance(tau) if tau is not None else None
-    llm = LLM.from_loaded(lm, draft, acceptance=forced, max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64),
-                          overlap=overlap, draft_len_schedule=schedule)
+    llm = LLM.from_loaded(lm, draft, acceptance=forced,
+                          engine=EngineConfig(max_num_seqs=B, kv_cache_tokens=B * (ctx + new + 64), overlap=overlap,
+                                              draft_len_schedule=schedule))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, lm.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(2 * B)]
     warm, prompts = prompts[:B], prompts[B:]
@@ -161,8 +154,9 @@ def greedy_vs_hf(lm: LoadedModel, draft: LoadedDraft, hf, n_prompts: int = 8, n:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, lm.config.vocab_size, (32,), generator=g).tolist() for _ in range(n_prompts)]
     params = SamplingParams(max_tokens=n, ignore_eos=True)
-    plain = [o.token_ids for o in LLM.from_loaded(lm, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
-    spec = [o.token_ids for o in LLM.from_loaded(lm, draft, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
+    engine = EngineConfig(max_num_seqs=8)
+    plain = [o.token_ids for o in LLM.from_loaded(lm, None, engine=engine).generate(prompts, params, use_tqdm=False)]
+    spec = [o.token_ids for o in LLM.from_loaded(lm, draft, engine=engine).generate(prompts, params, use_tqdm=False)]
     rows = []
     for i, p in enumerate(prompts):
         ref, gaps = hf_greedy(hf, p, n)

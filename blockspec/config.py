@@ -16,6 +16,7 @@ DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_DRAFT_TOKENS = 5  # K without a drafter's block size to derive it from
 AUTO = "auto"  # EngineConfig.draft_len_schedule: measured on this machine (engine/calibrate.py)
 OFF = "off"  # EngineConfig.draft_len_schedule: K throughout, even where the drafter carries a table
+STEP_PATHS = ("auto", "varlen")  # EngineConfig.step_path
 
 
 def _readers(methods: tuple[str, ...]) -> str:
@@ -48,15 +49,16 @@ class SpeculativeConfig:
         "help": "sample drafts from the draft distribution and use p/q rejection (default: argmax drafts)"})
     # draft every block with the drafter's trained block size and verify the first K drafts: with K + 1 below the
     # block size, the drafts of the block shape it was trained on (better accepted), at block_size draft rows per step.
-    # None (unset): off here; the commands turn it on for the CPU (cpu_draft_defaults)
+    # None (unset): the platform plan decides (loading/platform.py: on for a DFlash drafter on the CPU, in LLM and the
+    # commands alike); off where a drafter is loaded directly (load_draft)
     full_block_drafting: bool | None = field(default=None, metadata={
         "methods": ("dflash",),
         "help": "draft with the drafter's trained block size and verify the first K drafts (pays when K + 1 is below "
                 "the block size and drafting is cheap next to verifying; default: on for the CPU)"})
     # CPU only: run the drafter, and its pass over the target's lm_head, in bf16 on weights packed once for oneDNN
     # (blockspec/layers/cpu_packed.py). The target still verifies every draft in its own dtype: outputs are those of
-    # plain decoding; only the drafts (acceptance) may differ. None (unset): off here; the commands turn it on where
-    # the CPU has bf16 units (cpu_draft_defaults). Under a target on the native q4 stack the native drafter
+    # plain decoding; only the drafts (acceptance) may differ. None (unset): the platform plan turns it on where the
+    # CPU has bf16 units (loading/platform.py). Under a target on the native q4 stack the native drafter
     # (blockspec/native/draft.py) runs instead.
     cpu_bf16_draft: bool | None = field(default=None, metadata={
         "methods": ("dflash",),
@@ -142,15 +144,19 @@ class EngineConfig:
     # 1.09x at draft-data's shape (docs/perf.md), which turns it on; serving leaves it off until measured at small
     # batches. On CPU every forward reads all the weights, so one combined pass stays cheaper there.
     split_mixed_steps: bool = False
-    # On CUDA: while the GPU runs decode step n, the host enqueues step n+1 of the same requests (its inputs derived
-    # on the device from step n's result) and only then reads step n's tokens, commits them and does its bookkeeping:
-    # the host's per-step work hides behind the GPU's. Same tokens as off in fp32 and with --batch-invariant (tested);
-    # in default bf16 a step chained next to a request that has just finished runs a larger batch than the
-    # synchronous engine would, which can move a near-tie as any other batch change does. A request that finishes in
-    # step n wastes its row of step n+1. Off on the CPU (a step runs when launched: nothing to hide) and under tensor
-    # parallelism (its ranks mirror the synchronous runner calls).
-    overlap: bool = field(default=True, metadata={"flag": "--no-overlap",
-                                                  "help": "do not overlap the host's work with the GPU's decode steps"})
+    # While the GPU runs decode step n, the host enqueues step n+1 of the same requests (its inputs derived on the
+    # device from step n's result) and only then reads step n's tokens, commits them and does its bookkeeping: the
+    # host's per-step work hides behind the GPU's. Same tokens as off in fp32 and with --batch-invariant (tested); in
+    # default bf16 a step chained next to a request that has just finished runs a larger batch than the synchronous
+    # engine would, which can move a near-tie as any other batch change does. A request that finishes in step n
+    # wastes its row of step n+1. None (default): on for CUDA, off on the CPU (a step runs when launched: nothing to
+    # hide); True forces it on the CPU too (tests check the chained path there). Never under tensor parallelism (its
+    # ranks mirror the synchronous runner calls).
+    overlap: bool | None = field(default=None, metadata={
+        "help": "overlap the host's work with the GPU's decode steps (default: on for CUDA, off on the CPU)"})
+    # "auto": the decode step wherever every scheduled request decodes with the same (K, K'), else the varlen step;
+    # "varlen": every step on the varlen path (tests compare the two paths; same outputs)
+    step_path: str = "auto"
     # None: the drafter's recorded table for this device (speculative/schedule.py), else K throughout. "auto" (the
     # commands' and the LLM facade's default): that table, else measured on this machine (engine/calibrate.py). "off":
     # K throughout, table or not (eval-draft: a drafter's acceptance at K)
@@ -172,6 +178,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+        if self.step_path not in STEP_PATHS:
+            raise ConfigError(f"step_path={self.step_path!r} must be one of {', '.join(STEP_PATHS)}", field="step_path")
+        if self.overlap and self.tensor_parallel_size > 1:
+            raise ConfigError("overlap=True does not go with tensor parallelism (its ranks run each step in turn)",
+                              field="overlap")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
         if self.draft_len_schedule in (AUTO, OFF):

@@ -67,7 +67,7 @@ class SamplingParams:
 @dataclass
 class SamplingRows:
     """Per-row sampling parameters of a batch of logit rows: a tensor [N] per parameter, on device, and host flags.
-    `use_*`: a filter that no row uses is skipped (and rows that do not use it are left bit-identical to a batch
+    An engine step builds them once, one row per request, and selects the rows each stage reads. `use_*`: a filter that no row uses is skipped (and rows that do not use it are left bit-identical to a batch
     without it); the flags are a captured step's sampling mode (`mode`: one graph each), the tensors its inputs."""
 
     temperature: torch.Tensor  # [N] fp32, 0 = greedy
@@ -91,10 +91,16 @@ class SamplingRows:
             return host_tensor([float(getattr(p, name)) for p in params], torch.float32, device)
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
-        use_min_p = any(p.min_p > 0 for p in params)
-        return cls(floats("temperature"), host_tensor(top_k, torch.int64, device), floats("top_p"),
-                   host_tensor(seeds, torch.int64, device), all(p.greedy for p in params), any(k > 0 for k in top_k),
-                   any(p.top_p < 1.0 for p in params), floats("min_p"), use_min_p)
+        return cls(temperature=floats("temperature"), top_k=host_tensor(top_k, torch.int64, device),
+                   top_p=floats("top_p"), seeds=host_tensor(seeds, torch.int64, device), min_p=floats("min_p"),
+                   **cls.flags(params, vocab_size))
+
+    @staticmethod
+    def flags(params: list[SamplingParams], vocab_size: int) -> dict[str, bool]:
+        """The host flags of rows with these params (a top_k of the whole vocabulary or more keeps every token)."""
+        return {"all_greedy": all(p.greedy for p in params),
+                "use_top_k": any(0 < p.top_k < vocab_size for p in params),
+                "use_top_p": any(p.top_p < 1.0 for p in params), "use_min_p": any(p.min_p > 0 for p in params)}
 
     @classmethod
     def allocate(cls, n: int, device: torch.device | str) -> SamplingRows:
@@ -120,6 +126,12 @@ class SamplingRows:
 
     def rows(self, start: int, stop: int) -> SamplingRows:
         return self._map(lambda t: t[start:stop])
+
+    def select(self, index: torch.Tensor, flags: dict[str, bool]) -> SamplingRows:
+        """The rows at `index` [M] (on the device) under `flags`, the flags of those rows' params (`flags(...)`, on
+        the host: a subset's flags can be narrower than the batch's, and a filter that none of its rows uses is
+        skipped)."""
+        return replace(self._map(lambda t: t[index]), **flags)
 
     def copy_to(self, static: SamplingRows) -> SamplingRows:
         """These rows written into `static`'s tensors of the same shapes (one non-blocking copy each) and returned

@@ -13,6 +13,7 @@ from typing import Callable
 
 import pytest
 
+from blockspec.config import EngineConfig
 from blockspec.engine.outputs import RequestOutput
 from blockspec.llm import LLM
 from blockspec.loading.loader import LoadConfig, LoadedModel, load_model
@@ -21,6 +22,7 @@ from blockspec.speculative.proposer import Proposer
 from engine_utils import Run, assert_equal_plain, plain_ref, spec_consistency
 from hf_utils import make_hf_model, save_hf_model
 from oracles import generate
+from path_log import PathLog
 
 VOCAB = 128
 K = 4
@@ -129,7 +131,7 @@ def run_scenario(name: str, lm: LoadedModel, proposer: Proposer) -> tuple[list[l
         engine = dict(block_size=4, max_model_len=40)
     else:
         raise ValueError(name)
-    llm = LLM.from_loaded(lm, proposer, **engine)
+    llm = LLM.from_loaded(lm, proposer, engine=EngineConfig(**engine))
     partial = _prefill_chunks(llm.engine)
     run = Run(llm)
     outs = run.run(prompts, params, stagger=stagger)
@@ -147,8 +149,10 @@ def run_scenario(name: str, lm: LoadedModel, proposer: Proposer) -> tuple[list[l
     return prompts, outs
 
 
-CONFIGS = {"default": {}, "no_overlap": dict(overlap=False), "split_mixed_steps": dict(split_mixed_steps=True),
-           "enforce_eager": dict(enforce_eager=True), "varlen_only": {}}
+# overlap on the CPU too, as on CUDA (the engine's CPU default: off)
+CONFIGS = {"default": dict(overlap=True), "no_overlap": dict(overlap=False),
+           "split_mixed_steps": dict(split_mixed_steps=True, overlap=True),
+           "enforce_eager": dict(enforce_eager=True, overlap=True), "varlen_only": dict(step_path="varlen", overlap=True)}
 
 
 def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, params) -> dict[str, list]:
@@ -157,22 +161,14 @@ def run_paths(lm: LoadedModel, make_proposer: Callable[[], Proposer], prompts, p
     (tokens, acceptance lengths, step traces) per config; asserts each path really ran and that outputs equal plain."""
     results = {}
     for name, extra in CONFIGS.items():
-        llm = LLM.from_loaded(lm, make_proposer(), max_num_seqs=6, block_size=4, max_num_batched_tokens=48, **extra)
-        llm.engine.overlap = llm.engine.config.overlap  # on the CPU too, as on CUDA (the engine's CPU default: off)
-        runner = llm.engine.runner
-        if name == "varlen_only":
-            runner.decode.eligible = lambda scheduled: False
-        steps: list[list[tuple[str, int, int]]] = []  # per engine step: (path, requests, K) of each call
-        real_decode, real_varlen = runner.decode.launch, runner.varlen_step
-        real_launch, real_next = runner.launch, runner.launch_next
-        runner.decode.launch = lambda sch: steps[-1].append(("decode", len(sch), sch[0].k)) or real_decode(sch)
-        runner.varlen_step = lambda sch: steps[-1].append(("varlen", len(sch), 0)) or real_varlen(sch)
-        runner.launch = lambda sch: steps.append([]) or real_launch(sch)
-        runner.launch_next = lambda prev: steps.append([("decode", len(prev.seqs), prev.chain_k)]) or real_next(prev)
+        llm = LLM.from_loaded(lm, make_proposer(),
+                              engine=EngineConfig(max_num_seqs=6, block_size=4, max_num_batched_tokens=48, **extra))
+        log = PathLog()  # per engine step: (path, requests, K) of each path it took
+        llm.engine.observe(log)
         outs = Run(llm).run(prompts, params, stagger=2)
         assert_equal_plain(lm, prompts, params, outs)
         spec_consistency(outs)
-        calls = [c for s in steps for c in s]
+        steps, calls = log.steps, log.calls
         decoded = [c for c in calls if c[0] == "decode"]
         if name == "varlen_only":
             assert not decoded
@@ -197,7 +193,7 @@ def seeded_params(n: int, seed: int) -> list[SamplingParams]:
 def check_seeded_sampling(lm: LoadedModel, proposer: Proposer, prompts, params) -> list[RequestOutput]:
     """Argmax drafts: every emitted token is the target's own seeded sample at its position, so speculative output
     equals plain seeded output (the dense oracle, and the same engine with speculate=False)."""
-    llm = LLM.from_loaded(lm, proposer, max_num_seqs=4, block_size=4)
+    llm = LLM.from_loaded(lm, proposer, engine=EngineConfig(max_num_seqs=4, block_size=4))
     spec = llm.generate(prompts, params, use_tqdm=False)
     off = llm.generate(prompts, params, use_tqdm=False, speculate=False)
     for i, (p, sp, o) in enumerate(zip(prompts, params, spec)):
@@ -213,7 +209,8 @@ def check_single_requests(lm: LoadedModel, make_proposer: Callable[[], Proposer]
     """One request at a time through LLM.generate: equal to the dense oracle's plain decoding."""
     outs = []
     for p, sp in zip(prompts, params):
-        out = LLM.from_loaded(lm, make_proposer(), max_num_seqs=1).generate([p], sp, use_tqdm=False)[0]
+        out = LLM.from_loaded(lm, make_proposer(),
+                              engine=EngineConfig(max_num_seqs=1)).generate([p], sp, use_tqdm=False)[0]
         assert (out.token_ids, out.finish_reason) == plain_ref(lm, p, sp)
         outs.append(out)
     spec_consistency(outs)

@@ -10,12 +10,12 @@ import shutil
 import pytest
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine import calibrate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.schedule import install_schedule
+from blockspec.speculative.schedule import install_schedule, schedule_for_batches
 from blockspec.train.export import save_draft
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
@@ -38,7 +38,7 @@ def draft_dir(tmp_path_factory):
 
 
 def _auto(draft, **engine) -> LLM:
-    return LLM.from_loaded(trained_pair().lm, draft, draft_len_schedule="auto", **engine)
+    return LLM.from_loaded(trained_pair().lm, draft, engine=EngineConfig(draft_len_schedule="auto", **engine))
 
 
 def test_measured_once_then_cached_and_outputs_unchanged(draft_dir, cache, monkeypatch):
@@ -63,7 +63,8 @@ def test_measured_once_then_cached_and_outputs_unchanged(draft_dir, cache, monke
     assert again.calibration.source == "cached" and again.calibration.schedule == cal.schedule
     assert again.calibration.seconds == 0.0
     params = [SamplingParams(max_tokens=n) for n in (12, 20, 30)]
-    plain = LLM.from_loaded(lm, None, max_num_seqs=4, block_size=4).generate(PROMPTS, params, use_tqdm=False)
+    plain = LLM.from_loaded(lm, None,
+                            engine=EngineConfig(max_num_seqs=4, block_size=4)).generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in again.generate(PROMPTS, params, use_tqdm=False)] == [o.token_ids for o in plain]
     # another K (another step cost and block shape) is another calibration
     other = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=3), lm)
@@ -74,13 +75,14 @@ def test_measured_once_then_cached_and_outputs_unchanged(draft_dir, cache, monke
 def test_where_no_draft_length_pays_the_engine_runs_without_the_drafter(draft_dir, monkeypatch):
     lm = trained_pair().lm
     draft = load_draft(SpeculativeConfig(draft_model=str(draft_dir), num_draft_tokens=5), lm)
-    monkeypatch.setattr(calibrate, "_schedule", lambda step_ms, per_position, batches: {b: 0 for b in batches})
+    monkeypatch.setattr(calibrate, "schedule_for_batches", lambda step_ms, per_position, batches: {b: 0 for b in batches})
     llm = _auto(draft, max_num_seqs=4, block_size=4)
     assert llm.calibration.drafts_nothing and llm.calibration.schedule == {1: 0, 2: 0, 4: 0}
     assert llm.engine.proposer is None and llm.engine.K == 0  # no context appends either
     assert llm.calibration.describe().endswith("no draft length pays here: decoding without the drafter")
     params = [SamplingParams(max_tokens=n) for n in (12, 20, 30)]
-    plain = LLM.from_loaded(lm, None, max_num_seqs=4, block_size=4).generate(PROMPTS, params, use_tqdm=False)
+    plain = LLM.from_loaded(lm, None,
+                            engine=EngineConfig(max_num_seqs=4, block_size=4)).generate(PROMPTS, params, use_tqdm=False)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert all(set(o.acceptance_lengths) <= {1} for o in outs)
@@ -141,8 +143,8 @@ def test_only_draft_lengths_that_can_win_are_measured(monkeypatch):
         config = type("C", (), {"draft_len_schedule": None})()
 
     costs = calibrate.measure_costs(Engine(), per_position, [1, 2, 4, 8, 16, 32, 64])
-    schedule = calibrate._schedule({b: {k: s * 1e3 for k, s in by.items()} for b, by in costs.items()},
-                                   per_position, [1, 2, 4, 8, 16, 32, 64])
+    schedule = schedule_for_batches({b: {k: s * 1e3 for k, s in by.items()} for b, by in costs.items()},
+                                    per_position, [1, 2, 4, 8, 16, 32, 64])
     ks = [schedule[b] for b in sorted(schedule)]
     assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
     for b, by_k in costs.items():

@@ -8,12 +8,13 @@ import random
 
 import pytest
 
-from blockspec.engine.scheduler import ScheduledSeq
+from blockspec.config import EngineConfig
 from blockspec.engine.decode_step import buckets
 from oracles import generate
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from oracles import spec_generate
+from path_log import PathLog
 from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 
 
@@ -51,17 +52,15 @@ def test_buckets():
 def test_decode_step_taken_and_equal_to_varlen_step(pair):
     lm, draft = pair
     prompts, params = workload(12, seed=1, max_tokens=(30, 90))
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
-    calls = []
-    step = llm.engine.runner.decode  # steps are launched from the host's inputs, or chained from the last step
-    launch, launch_next = step.launch, step.launch_next
-    step.launch = lambda sch: calls.append((len(sch), sch[0].k)) or launch(sch)
-    step.launch_next = lambda prev: calls.append((len(prev.seqs), prev.K)) or launch_next(prev)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=7, block_size=4))
+    log = PathLog()  # steps are launched from the host's inputs, or chained from the last step
+    llm.engine.observe(log)
     fused = run(llm, prompts, params)
+    calls = [(b, k) for path, b, k in log.calls if path == "decode"]
     assert len(calls) >= 8 and any(b > 1 for b, _ in calls) and any(b not in buckets(7) for b, _ in calls), calls
-    varlen = LLM.from_loaded(lm, draft, max_num_seqs=7, block_size=4)
-    varlen.engine.runner.decode.eligible = lambda scheduled: False
+    varlen = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=7, block_size=4, step_path="varlen"))
     assert run(varlen, prompts, params) == fused
+    assert varlen.engine.stats().num_decode_steps == 0 and varlen.engine.stats().num_varlen_steps > 0
     assert sum(len(acc) for _, acc, _ in fused) > 0 and max(max(acc) for _, acc, _ in fused if acc) > 3
 
 
@@ -72,24 +71,24 @@ def test_mixed_steps_split_and_keep_outputs(pair):
     lm, draft = pair
     prompts, params = workload(14, seed=2, max_tokens=(20, 70))
     kw = dict(max_num_seqs=6, block_size=4, max_num_batched_tokens=48)
-    plain = LLM.from_loaded(lm, draft, **kw)
-    assert not plain.engine.runner.split_mixed  # the default
-    split = LLM.from_loaded(lm, draft, split_mixed_steps=True, **kw)
-    runner = split.engine.runner
-    mixed, calls = [], []
-    real_launch, real_decode, real_varlen = runner.launch, runner.decode.launch, runner.varlen_step
-    runner.decode.launch = lambda sch: calls.append(("decode", len(sch))) or real_decode(sch)
-    runner.varlen_step = lambda sch: calls.append(("varlen", len(sch))) or real_varlen(sch)
+    plain = LLM.from_loaded(lm, draft, engine=EngineConfig(**kw))
+    assert not plain.engine.config.split_mixed_steps  # the default
+    split = LLM.from_loaded(lm, draft, engine=EngineConfig(split_mixed_steps=True, **kw))
+    log, scheduled = PathLog(), []  # per step: the paths it took; how many requests it scheduled
+    split.engine.observe(log)
+    real_schedule = split.engine.scheduler.schedule
 
-    def launch(scheduled):
-        calls.clear()
-        out = real_launch(scheduled)
-        if len(calls) == 2:
-            mixed.append((len(scheduled), list(calls)))
+    def schedule():
+        out = real_schedule()
+        if out:  # a step is launched
+            scheduled.append(len(out))
         return out
 
-    runner.launch = launch
+    split.engine.scheduler.schedule = schedule
     assert run(split, prompts, params) == run(plain, prompts, params)
+    steps = [s for s in log.steps if s]  # the engine schedules every step it launches (no overlap on the CPU)
+    assert len(steps) == len(scheduled)
+    mixed = [(n, [c[:2] for c in calls]) for n, calls in zip(scheduled, steps) if len(calls) == 2]
     assert len(mixed) >= 3, mixed
     assert all(n == calls[0][1] + calls[1][1] and calls[0][0] == "decode" for n, calls in mixed), mixed
     assert any(calls[0][1] > 1 for _, calls in mixed), mixed
@@ -98,7 +97,8 @@ def test_mixed_steps_split_and_keep_outputs(pair):
 def test_padding_rows_never_write_the_pool(pair):
     lm, draft = pair
     # one step at a time (with overlap, eng.step() would also enqueue the next step, which writes its own window)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4, enable_prefix_caching=False, overlap=False)
+    llm = LLM.from_loaded(lm, draft,
+                          engine=EngineConfig(max_num_seqs=4, block_size=4, enable_prefix_caching=False, overlap=False))
     eng = llm.engine
     for i in range(3):  # 3 requests run in the bucket of 4: one padding row, whose block table is all block 0
         eng.add_request(cycle_seq(CYCLE_A, i, 9), SamplingParams(max_tokens=30, ignore_eos=True))
@@ -108,8 +108,10 @@ def test_padding_rows_never_write_the_pool(pair):
     before = [t.clone() for t in (pool.k, pool.v, pool.draft_k, pool.draft_v)]
     seqs = list(eng.scheduler.running)
     windows = [(s, s.num_computed, s.drafts.k + 1) for s in seqs]  # the verify rows of this step
-    assert eng.runner.decode.eligible([ScheduledSeq(s, s.drafts.k + 1, False, s.drafts.k) for s in seqs])
+    log = PathLog()
+    eng.observe(log)
     eng.step()
+    assert [c[:2] for c in log.calls] == [("decode", 3)]  # the decode step, in its bucket of 4
     written = {s.block_table[p // 4] * 4 + p % 4 for s, start, n in windows for p in range(start, start + n)}
     for old, new in zip(before, (pool.k, pool.v, pool.draft_k, pool.draft_v)):
         changed = set((old != new).flatten(2).any(-1).any(0).nonzero().flatten().tolist())
@@ -125,7 +127,7 @@ def test_seeded_sampling_spec_equals_plain(pair, probabilistic):
         import dataclasses
 
         draft = dataclasses.replace(draft, spec=dataclasses.replace(draft.spec, probabilistic_drafting=True))
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4))
     spec = [t for t, _, _ in run(llm, prompts, params)]
     engine_plain = [t for t, _, _ in run(llm, prompts, params, speculate=False)]
     single = [spec_generate(lm, draft, p, sp).token_ids for p, sp in zip(prompts, params)]
@@ -148,17 +150,14 @@ def test_probabilistic_drafting_runs_in_the_decode_step(pair):
     lm, draft = pair
     draft = dataclasses.replace(draft, spec=dataclasses.replace(draft.spec, probabilistic_drafting=True))
     prompts, params = workload(10, seed=5, max_tokens=(20, 50))
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
-    llm.engine.overlap = True  # as on CUDA: chained steps carry q from one step to the next on the device
-    sampled_rows = []
-    step = llm.engine.runner.decode
-    launch, launch_next = step.launch, step.launch_next
-    step.launch = lambda sch: sampled_rows.append(sum(not s.seq.params.greedy for s in sch)) or launch(sch)
-    step.launch_next = lambda prev: sampled_rows.append(sum(not s.params.greedy for s in prev.seqs)) or launch_next(prev)
+    # overlap as on CUDA: chained steps carry q from one step to the next on the device
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4, overlap=True))
+    log = PathLog()  # decode steps launched from the host or chained
+    llm.engine.observe(log)
     fused = run(llm, prompts, params)
+    sampled_rows = [sum(not s.seq.params.greedy for s in sch) for path, sch in log.requests if path == "decode"]
     assert sum(sampled_rows) > 20 and llm.engine.num_overlapped_steps > 0, sampled_rows
-    varlen = LLM.from_loaded(lm, draft, max_num_seqs=4, block_size=4)
-    varlen.engine.runner.decode.eligible = lambda scheduled: False
+    varlen = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, block_size=4, step_path="varlen"))
     assert run(varlen, prompts, params) == fused
     single = [spec_generate(lm, draft, p, sp).token_ids for p, sp in zip(prompts, params)]
     assert [t for t, _, _ in fused] == single
@@ -166,14 +165,17 @@ def test_probabilistic_drafting_runs_in_the_decode_step(pair):
 
 def test_cpu_never_captures(pair):
     lm, draft = pair
-    assert not LLM.from_loaded(lm, draft).engine.runner.decode.capture
+    llm = LLM.from_loaded(lm, draft)
+    llm.generate([cycle_seq(CYCLE_A, 0, 9)], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_decode_steps > 0 and not stats.cuda_graphs
 
 
 def test_a_failing_request_fails_alone(pair):
     lm, draft = pair
     prompts, params = workload(6, seed=3)
-    want = run(LLM.from_loaded(lm, draft, max_num_seqs=4), prompts, params)
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=4)
+    want = run(LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4)), prompts, params)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4))
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = eng.seqs[ids[2]]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dense_cache import DenseCausalAttention, DenseKVCache
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from oracles import generate
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
@@ -63,7 +63,9 @@ def test_cuda_spec_and_engine_equal_plain(tmp_path):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = [generate(lm, p, params).token_ids for p in prompts]
     assert [spec_generate(lm, dr, p, params).token_ids for p in prompts] == plain
-    outs = LLM.from_loaded(lm, dr, block_size=4, max_num_batched_tokens=32).generate(prompts, params, use_tqdm=False)
+    outs = LLM.from_loaded(lm, dr,
+                           engine=EngineConfig(block_size=4,
+                                               max_num_batched_tokens=32)).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain
 
 
@@ -88,9 +90,9 @@ def _workload():
 
 def _run(lm, draft, **kw):
     prompts, params = _workload()
-    llm = LLM.from_loaded(lm, draft, max_num_seqs=8, block_size=8, **kw)
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=8, block_size=8, **kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.token_ids, o.acceptance_lengths) for o in outs], llm.engine.runner.decode
+    return [(o.token_ids, o.acceptance_lengths) for o in outs], llm.engine.stats()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,10 +100,10 @@ def test_cuda_graph_step_equals_eager(dtype):
     from trained_pair import trained_pair
 
     lm, draft = _on_cuda(trained_pair(), dtype)
-    graph, dec = _run(lm, draft)
-    assert dec.capture and len(dec.graphs) >= 2  # several buckets were captured and replayed
-    eager, dec_eager = _run(lm, draft, enforce_eager=True)
-    assert not dec_eager.graphs
+    graph, stats = _run(lm, draft)
+    assert len(stats.cuda_graphs) >= 2  # several buckets were captured and replayed
+    eager, eager_stats = _run(lm, draft, enforce_eager=True)
+    assert not eager_stats.cuda_graphs and eager_stats.num_decode_steps
     assert graph == eager
 
 
@@ -113,7 +115,7 @@ def test_cuda_overlap_equals_synchronous():
 
     lm, draft = _on_cuda(trained_pair(), torch.float32)
     prompts, params = _workload()
-    on = LLM.from_loaded(lm, draft, max_num_seqs=8, block_size=8)
+    on = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=8, block_size=8))
     got = [(o.token_ids, o.acceptance_lengths) for o in on.generate(prompts, params, use_tqdm=False)]
     assert on.engine.num_overlapped_steps > 10
     off, _ = _run(lm, draft, overlap=False)
@@ -143,8 +145,8 @@ def test_cuda_probabilistic_drafting_in_the_graph_equals_eager_and_cpu():
     pair = trained_pair()
     cpu, _ = _run(pair.lm, sampled(pair.draft))
     lm, draft = _on_cuda(pair, torch.float32)
-    graph, dec = _run(lm, sampled(draft))
-    assert dec.capture and any(key[3] is False for key in dec.graphs)  # a graph of sampled (not all-greedy) rows
+    graph, stats = _run(lm, sampled(draft))
+    assert any(not g.all_greedy for g in stats.cuda_graphs)  # a graph of sampled (not all-greedy) rows
     eager, _ = _run(lm, sampled(draft), enforce_eager=True)
     assert graph == eager == cpu
 
@@ -161,8 +163,8 @@ def test_cuda_full_block_drafting_graph_equals_eager_and_cpu():
     pair = trained_pair()
     cpu, _ = _run(pair.lm, full(pair.draft))
     lm, draft = _on_cuda(pair, torch.float32)
-    graph, dec = _run(lm, full(draft))
-    assert dec.capture and dec.graphs
+    graph, stats = _run(lm, full(draft))
+    assert stats.cuda_graphs
     eager, _ = _run(lm, full(draft), enforce_eager=True)
     assert graph == eager == cpu
 
@@ -184,8 +186,8 @@ def test_cuda_draft_vocab_graph_equals_eager_and_cpu():
     cpu, _ = _run(pair.lm, limited(pair.lm, pair.draft))
     assert [t for t, _ in cpu] == [t for t, _ in _run(pair.lm, None)[0]]
     lm, draft = _on_cuda(pair, torch.float32)
-    graph, dec = _run(lm, limited(lm, draft))
-    assert dec.capture and dec.graphs
+    graph, stats = _run(lm, limited(lm, draft))
+    assert stats.cuda_graphs
     eager, _ = _run(lm, limited(lm, draft), enforce_eager=True)
     assert graph == eager == cpu
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.config import SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.layers.moe import SparseMoeBlock
 from blockspec.llm import LLM
 from blockspec.loading.draft_loader import load_draft
@@ -36,10 +36,10 @@ CPU = LoadConfig(device="cpu", with_tokenizer=False)
 
 
 def _run(lm, draft, prompts, params, **kw):
-    """[(tokens, acceptance lengths, step traces)] per request, and the runner's decode step (its graphs)."""
-    llm = LLM.from_loaded(lm, draft, **kw)
+    """[(tokens, acceptance lengths, step traces)] per request, and the engine's stats (its captured graphs)."""
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(**kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.token_ids, o.acceptance_lengths, o.steps) for o in outs], llm.engine.runner.decode
+    return [(o.token_ids, o.acceptance_lengths, o.steps) for o in outs], llm.engine.stats()
 
 
 def _tokens(runs):
@@ -89,10 +89,10 @@ def test_cuda_dflash2_greedy_graph_equals_eager_plain_and_cpu(dflash2_dir, train
                   **ENGINE)
     draft = load_draft(SpeculativeConfig(draft_model=str(dflash2_dir)), trained_gpu)
     assert isinstance(draft.model, DFlash2DraftModel) and next(draft.model.parameters()).device.type == DEVICE
-    graph, dec = _run(trained_gpu, draft, prompts, params, **ENGINE)
-    assert dec.capture and len(dec.graphs) >= 2  # several buckets were captured and replayed
-    eager, dec_eager = _run(trained_gpu, draft, prompts, params, enforce_eager=True, **ENGINE)
-    assert not dec_eager.graphs
+    graph, stats = _run(trained_gpu, draft, prompts, params, **ENGINE)
+    assert len(stats.cuda_graphs) >= 2  # several buckets were captured and replayed
+    eager, eager_stats = _run(trained_gpu, draft, prompts, params, enforce_eager=True, **ENGINE)
+    assert not eager_stats.cuda_graphs and eager_stats.num_decode_steps
     assert graph == eager  # tokens, acceptance lengths and every step's drafts
     plain, _ = _run(trained_gpu, None, prompts, params, **ENGINE)
     assert _tokens(graph) == _tokens(plain) == _tokens(cpu)
@@ -112,8 +112,8 @@ def test_cuda_dflash2_sampled_drafts_graph_equals_eager(dflash2_dir, trained_gpu
               SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=48, ignore_eos=True) for i in range(10)]
     draft = load_draft(SpeculativeConfig(draft_model=str(dflash2_dir), probabilistic_drafting=True), trained_gpu)
     assert draft.spec.probabilistic_drafting
-    graph, dec = _run(trained_gpu, draft, prompts, params, **ENGINE)
-    assert dec.capture and any(key[3] is False for key in dec.graphs)  # a graph of sampled (not all-greedy) rows
+    graph, stats = _run(trained_gpu, draft, prompts, params, **ENGINE)
+    assert any(not g.all_greedy for g in stats.cuda_graphs)  # a graph of sampled (not all-greedy) rows
     eager, _ = _run(trained_gpu, draft, prompts, params, enforce_eager=True, **ENGINE)
     assert graph == eager
     sampled = [acc for i, (_, acc, _) in enumerate(graph) if i % 3]
@@ -178,8 +178,8 @@ def test_cuda_moe_engine_eager_equals_cpu(moe):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 40, 30, 20, 8, 28)]
     kw = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
     plain_cpu, _ = _run(cpu, None, prompts, params, **kw)
-    plain_gpu, dec = _run(gpu, None, prompts, params, enforce_eager=True, **kw)
-    assert not dec.capture and not dec.graphs
+    plain_gpu, stats = _run(gpu, None, prompts, params, enforce_eager=True, **kw)
+    assert not stats.cuda_graphs and stats.num_decode_steps
     assert _tokens(plain_gpu) == _tokens(plain_cpu)
     for name, d in drafts.items():
         spec = SpeculativeConfig(draft_model=str(d))
@@ -199,11 +199,11 @@ def test_cuda_moe_captured_decode_step_equals_eager_and_cpu(moe):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 40, 30, 20, 8, 28)]
     kw = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
     plain_cpu, _ = _run(cpu, None, prompts, params, **kw)
-    plain_gpu, dec = _run(gpu, None, prompts, params, **kw)
-    assert dec.capture and dec.graphs
+    plain_gpu, stats = _run(gpu, None, prompts, params, **kw)
+    assert stats.cuda_graphs
     assert _tokens(plain_gpu) == _tokens(plain_cpu)
     for name, d in drafts.items():
         spec = SpeculativeConfig(draft_model=str(d))
-        spec_gpu, dec = _run(gpu, load_draft(spec, gpu), prompts, params, **kw)
-        assert dec.graphs, name
+        spec_gpu, stats = _run(gpu, load_draft(spec, gpu), prompts, params, **kw)
+        assert stats.cuda_graphs, name
         assert _tokens(spec_gpu) == _tokens(plain_cpu), name

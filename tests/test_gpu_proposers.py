@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.draft_model import DraftModelProposer
@@ -37,18 +38,19 @@ def _proposer(method: str, device: str, dtype: torch.dtype):
 
 def _run(method: str, device: str, dtype: torch.dtype, **kw):
     prompts, params = _workload()
-    llm = LLM.from_loaded(_lm(device, dtype), _proposer(method, device, dtype), max_num_seqs=8, block_size=8, **kw)
+    llm = LLM.from_loaded(_lm(device, dtype), _proposer(method, device, dtype),
+                          engine=EngineConfig(max_num_seqs=8, block_size=8, **kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.token_ids, o.acceptance_lengths) for o in outs], llm.engine.runner.decode
+    return [(o.token_ids, o.acceptance_lengths) for o in outs], llm.engine.stats()
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft-model"])
 def test_cuda_fp32_proposer_graph_equals_eager_and_cpu(method):
     cpu, _ = _run(method, "cpu", torch.float32)
-    graph, dec = _run(method, "cuda", torch.float32)
-    assert dec.capture and len(dec.graphs) >= 2  # several buckets were captured and replayed
-    eager, dec_eager = _run(method, "cuda", torch.float32, enforce_eager=True)
-    assert not dec_eager.graphs
+    graph, stats = _run(method, "cuda", torch.float32)
+    assert len(stats.cuda_graphs) >= 2  # several buckets were captured and replayed
+    eager, eager_stats = _run(method, "cuda", torch.float32, enforce_eager=True)
+    assert not eager_stats.cuda_graphs and eager_stats.num_decode_steps
     assert graph == eager == cpu
     assert max(max(a) for _, a in cpu if a) > 3  # real acceptance
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from blockspec.config import EngineConfig
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from engine_utils import Run, assert_equal_plain, spec_consistency
@@ -37,12 +38,6 @@ def workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def overlapped(llm: LLM) -> LLM:
-    """The CUDA behaviour on the CPU (the engine leaves overlap off there: a CPU step runs when launched)."""
-    llm.engine.overlap = True
-    return llm
-
-
 def run(llm: LLM, prompts, params, stagger: int | None = 2):
     outs = Run(llm).run(prompts, params, stagger=stagger)
     spec_consistency([o for o in outs if o.acceptance_lengths])  # each trace holds the drafts its step verified
@@ -58,8 +53,8 @@ def run(llm: LLM, prompts, params, stagger: int | None = 2):
 def test_overlap_equals_synchronous(pair, engine):
     lm, draft = pair
     prompts, params = workload(12, seed=len(engine))
-    on = overlapped(LLM.from_loaded(lm, draft, **engine))
-    off = LLM.from_loaded(lm, draft, overlap=False, **engine)
+    on = LLM.from_loaded(lm, draft, engine=EngineConfig(overlap=True, **engine))  # the CUDA behaviour on the CPU
+    off = LLM.from_loaded(lm, draft, engine=EngineConfig(overlap=False, **engine))
     got, want = run(on, prompts, params), run(off, prompts, params)
     if "draft_len_schedule" in engine:
         # a step enqueued just before a request finishes keeps the K of the larger batch for that one step, where
@@ -80,10 +75,12 @@ def test_overlap_equals_synchronous(pair, engine):
 def test_overlap_plain_decoding(pair):
     lm, draft = pair
     prompts, params = workload(8, seed=3)
-    on, off = overlapped(LLM.from_loaded(lm, None, max_num_seqs=4)), LLM.from_loaded(lm, None, max_num_seqs=4)
+    on = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=4, overlap=True))
+    off = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=4))
     assert run(on, prompts, params, stagger=None) == run(off, prompts, params, stagger=None)
     assert on.engine.num_overlapped_steps > 10, on.engine.num_overlapped_steps
-    assert not off.engine.overlap  # the CPU default
+    stats = off.engine.stats()
+    assert stats.num_overlapped_steps == 0 and stats.num_decode_steps > 10  # the CPU default: decode steps, none chained
 
 
 def test_abort_while_a_step_is_enqueued(pair):
@@ -91,7 +88,7 @@ def test_abort_while_a_step_is_enqueued(pair):
     it had never run beside them."""
     lm, draft = pair
     prompts, params = workload(3, seed=5)
-    llm = overlapped(LLM.from_loaded(lm, draft, max_num_seqs=4))
+    llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=4, overlap=True))
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     while eng.inflight is None:
@@ -103,7 +100,7 @@ def test_abort_while_a_step_is_enqueued(pair):
     rest = {}
     while eng.has_unfinished():
         rest.update((o.request_id, o) for o in eng.step() if o.finished)
-    alone = LLM.from_loaded(lm, draft, overlap=False).generate([prompts[0], prompts[2]], [params[0], params[2]],
-                                                               use_tqdm=False)
+    alone = LLM.from_loaded(lm, draft, engine=EngineConfig(overlap=False)).generate(
+        [prompts[0], prompts[2]], [params[0], params[2]], use_tqdm=False)
     assert [rest[ids[0]].token_ids, rest[ids[2]].token_ids] == [o.token_ids for o in alone]
 

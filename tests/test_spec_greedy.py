@@ -67,7 +67,7 @@ def test_cli_draft_left_out_where_no_draft_length_pays(tmp_path, capsys, monkeyp
     from blockspec.engine import calibrate
 
     monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(calibrate, "_schedule", lambda step_ms, per_position, batches: {b: 0 for b in batches})
+    monkeypatch.setattr(calibrate, "schedule_for_batches", lambda step_ms, per_position, batches: {b: 0 for b in batches})
     base = cli_pair(tmp_path)
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)

@@ -25,8 +25,9 @@ import torch
 
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.sequence import SeqStatus
+from blockspec.loading.platform import cpu_model
 from blockspec.sampling import SamplingParams
-from blockspec.speculative.schedule import derive_schedule, expected_tokens, fingerprint
+from blockspec.speculative.schedule import derive_schedule, expected_tokens, fingerprint, schedule_for_batches
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_LENS = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15)
@@ -64,13 +65,7 @@ def device_name(device: torch.device) -> str:
     """The machine a cost table holds for: the GPU's model, or the CPU's model and the threads torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model} x{torch.get_num_threads()} threads"
+    return f"{cpu_model()} x{torch.get_num_threads()} threads"
 
 
 def cache_dir() -> Path:
@@ -241,7 +236,7 @@ def auto_schedule(engine: LLMEngine, use_cache: bool = True, prompts: list[list[
         measured = measure_costs(engine, per_position, missing)
         step_ms.update({b: {k: s * 1e3 for k, s in by_k.items()} for b, by_k in measured.items()})
     seconds = time.perf_counter() - t0
-    schedule = _schedule(step_ms, per_position, batches)
+    schedule = schedule_for_batches(step_ms, per_position, batches)
     if missing or not cached:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -256,13 +251,3 @@ def _drafts_nothing_below(step_ms: dict[int, dict[int, float]], per_position: li
     """Whether a smaller measured batch already chose K = 0 (so this one would too)."""
     smaller = [b for b in step_ms if b < batch]
     return bool(smaller) and derive_schedule({max(smaller): step_ms[max(smaller)]}, per_position)[max(smaller)] == 0
-
-
-def _schedule(step_ms: dict[int, dict[int, float]], per_position: list[float], batches: list[int]) -> dict[int, int]:
-    """{batch: K} for every batch size asked (measured or cached), K = 0 past the first that drafts nothing."""
-    derived = derive_schedule({b: by_k for b, by_k in step_ms.items() if by_k}, per_position) if step_ms else {}
-    out: dict[int, int] = {}
-    for b in sorted(set(batches) | set(derived)):
-        below = [k for k in derived if k <= b]
-        out[b] = derived[b] if b in derived else (derived[max(below)] if below else 0)
-    return out

@@ -23,12 +23,13 @@ from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.observer import StepObserver
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence, StepResult, block_tables
+from blockspec.engine.step_layout import StepLayout
 from blockspec.host_tensors import host_tensor
-from blockspec.sampling import SamplingParams, SamplingRows, sample_rows
-from blockspec.speculative.acceptance import AcceptancePolicy, accept_block
-from blockspec.speculative.drafts import NO_DRAFTS, Drafts, sample_drafts
-from blockspec.speculative.proposer import CommittedRows, DraftBatch, StepModels
-from blockspec.speculative.step import commit_slots, slot_mapping, verify
+from blockspec.sampling import SamplingRows, sample_rows
+from blockspec.speculative.acceptance import AcceptancePolicy
+from blockspec.speculative.drafts import verify_q
+from blockspec.speculative.proposer import CommittedRows, StepModels
+from blockspec.speculative.step import accept, commit_slots, propose, slot_mapping, verify
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -47,24 +48,21 @@ class DecodeBuffers:
     block_tables: torch.Tensor  # [B, W] int64
     sampling: SamplingRows  # [B] per-row sampling parameters (static: each step's rows are copied in)
     query_start: torch.Tensor  # [B+1] int32: row offsets, (K+1) apart
-    draft_query_start: torch.Tensor  # [B+1] int32: row offsets of the next draft blocks, draft_rows(K') apart
     q: torch.Tensor | None  # [B, K, V] fp32 the drafts' distributions (probabilistic drafting; None: argmax drafts)
 
     @classmethod
-    def allocate(cls, B: int, K: int, draft_rows: int, width: int, vocab: int | None,
-                 device: torch.device) -> DecodeBuffers:
+    def allocate(cls, B: int, K: int, width: int, vocab: int | None, device: torch.device) -> DecodeBuffers:
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        offsets = torch.arange(B + 1, dtype=torch.int32, device=device)
         q = z(B, K, vocab, dtype=torch.float32) if vocab is not None and K > 0 else None
         return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), SamplingRows.allocate(B, device),
-                   offsets * (K + 1), offsets * draft_rows, q)
+                   torch.arange(B + 1, dtype=torch.int32, device=device) * (K + 1), q)
 
 
 @dataclass
 class Launched:
     """A decode step enqueued on the device; its packed result [n, K+2+K'] is on its way to `host`."""
 
-    seqs: list[Sequence]
+    layout: StepLayout  # its n requests (a chained step's are those of the step before)
     K: int  # drafts verified
     next_k: int  # drafts proposed (K')
     buf: DecodeBuffers
@@ -73,6 +71,10 @@ class Launched:
     host: torch.Tensor  # [n, K+2+K'] pinned copy of packed[:n]
     q: torch.Tensor | None  # [n, K', V] the next drafts' distributions, copied out of the graph's output
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU, where launching ran the step)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.layout.scheduled]
 
 
 class DecodeStep:
@@ -92,11 +94,6 @@ class DecodeStep:
     @property
     def sampled_drafts(self) -> bool:
         return self.models.proposer is not None and self.models.proposer.probabilistic
-
-    def draft_rows(self, K: int) -> int:
-        """Rows of the draft block this step proposes with K drafts (K + 1 without a proposer or drafts)."""
-        proposer = self.models.proposer
-        return proposer.draft_rows(K) if proposer is not None and K > 0 else K + 1
 
     @staticmethod
     def shape(s: ScheduledSeq) -> tuple[int, int] | None:
@@ -123,19 +120,18 @@ class DecodeStep:
         return group, [s for s in scheduled if id(s) not in taken]
 
     def launch(self, scheduled: list[ScheduledSeq]) -> Launched:
-        seqs, K, next_k = [s.seq for s in scheduled], scheduled[0].k, scheduled[0].next_k
-        buf = self._buffers(len(seqs), K, next_k)
+        layout, K, next_k = StepLayout.for_decode(scheduled), scheduled[0].k, scheduled[0].next_k
+        buf = self._buffers(len(scheduled), K, next_k)
         with self.observer.stage("fill"):
-            rows = self.fill(buf, seqs, K)
-        return self._launch(seqs, K, next_k, buf, rows)
+            rows = self.fill(buf, layout, K)
+        return self._launch(layout, K, next_k, buf, rows)
 
     def _buffers(self, n: int, K: int, next_k: int) -> DecodeBuffers:
         B = next(b for b in self.buckets if b >= n)
         buf = self.buffers.get((B, K, next_k))
         if buf is None:
             vocab = self.vocab_size if self.sampled_drafts else None
-            buf = self.buffers[(B, K, next_k)] = DecodeBuffers.allocate(B, K, self.draft_rows(next_k), self.width,
-                                                                        vocab, self.device)
+            buf = self.buffers[(B, K, next_k)] = DecodeBuffers.allocate(B, K, self.width, vocab, self.device)
         return buf
 
     def launch_next(self, prev: Launched) -> Launched:
@@ -148,36 +144,31 @@ class DecodeStep:
         bonus = prev.packed[:, : K + 1].gather(1, n[:, None])
         buf.input_ids.copy_(torch.cat([bonus, prev.packed[:, K + 2:]], dim=1))
         if prev.q is not None:
-            buf.q[: len(prev.seqs)].copy_(prev.q)
+            buf.q[: len(prev.layout.scheduled)].copy_(prev.q)
         buf.start.add_(torch.where(buf.valid, n + 1, 0))  # padding rows stay at position 0
         buf.block_tables.copy_(self._tables(prev.seqs, buf.input_ids.shape[0]), non_blocking=True)
-        return self._launch(prev.seqs, K, K, buf, prev.rows)
+        return self._launch(prev.layout, K, K, buf, prev.rows)
 
-    def _launch(self, seqs: list[Sequence], K: int, next_k: int, buf: DecodeBuffers,
+    def _launch(self, layout: StepLayout, K: int, next_k: int, buf: DecodeBuffers,
                 rows: SamplingRows) -> Launched:
         packed, q = self.observer.replay(
             lambda: self.replay(buf, rows, K, next_k) if self.capture else self.forward(buf, rows, next_k))
-        n = len(seqs)
+        n = len(layout.scheduled)
         # q out of the graph's static output before anything else is enqueued (a chained replay overwrites it)
         q = q[:n].clone() if q is not None else None
         if packed.device.type != "cuda":
-            return Launched(seqs, K, next_k, buf, rows, packed, packed[:n], q, None)
+            return Launched(layout, K, next_k, buf, rows, packed, packed[:n], q, None)
         host = torch.empty(packed[:n].shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed[:n], non_blocking=True)  # the step's one device-to-host copy
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, also when packed is not on cuda:0
-        return Launched(seqs, K, next_k, buf, rows, packed, host, q, done)
+        return Launched(layout, K, next_k, buf, rows, packed, host, q, done)
 
     def collect(self, launched: Launched) -> list[StepResult]:
         """Wait for a launched step and read its result per request."""
         if launched.done is not None:
             launched.done.synchronize()
-        K, next_k, q, out = launched.K, launched.next_k, launched.q, []
-        for i, (seq, r) in enumerate(zip(launched.seqs, launched.host.tolist())):
-            n = r[K + 1]
-            drafts = Drafts(r[K + 2:], q[i] if q is not None and not seq.params.greedy else None) if next_k else NO_DRAFTS
-            out.append(StepResult(seq, r[: n + 1], n, n + 1, drafts, K))
-        return out
+        return launched.layout.results(launched.host.flatten().tolist(), launched.q)
 
     def _tables(self, seqs: list[Sequence], B: int) -> torch.Tensor:
         """[B, width] block tables on the host, padding rows all block 0."""
@@ -185,24 +176,22 @@ class DecodeStep:
         tables[: len(seqs)] = block_tables(seqs, self.width, torch.device("cpu"))
         return tables
 
-    def fill(self, buf: DecodeBuffers, seqs: list[Sequence], K: int) -> SamplingRows:
+    def fill(self, buf: DecodeBuffers, layout: StepLayout, K: int) -> SamplingRows:
         """Copy this step's inputs into the static buffers (host -> device, one copy per buffer)."""
-        B, n, cpu = buf.input_ids.shape[0], len(seqs), torch.device("cpu")
+        B, seqs = buf.input_ids.shape[0], [s.seq for s in layout.scheduled]
+        n = len(seqs)
         pad = B - n  # padding rows: greedy, position 0, block table all block 0, slots -1 (never written)
-        tables = self._tables(seqs, B)
-        rows = SamplingRows.build([s.params for s in seqs] + [SamplingParams()] * pad, [s.seed for s in seqs] + [0] * pad,
-                                  cpu, self.vocab_size)
+        rows = layout.sampling_rows(torch.device("cpu"), self.vocab_size, pad)
         host = {
-            "input_ids": host_tensor([t for s in seqs for t in (s.bonus, *s.drafts.tokens[:K])] + [0] * (pad * (K + 1))
-                                     ).view(B, K + 1),
-            "start": host_tensor([s.num_computed for s in seqs] + [0] * pad),
-            "valid": host_tensor([True] * n + [False] * pad, torch.bool), "block_tables": tables,
+            "input_ids": host_tensor(layout.input_ids + [0] * (pad * (K + 1))).view(B, K + 1),
+            "start": host_tensor(layout.start + [0] * pad),
+            "valid": host_tensor([True] * n + [False] * pad, torch.bool), "block_tables": self._tables(seqs, B),
         }
         for name, value in host.items():
             getattr(buf, name).copy_(value, non_blocking=True)
         if buf.q is not None and not rows.all_greedy:  # device to device: the q each sampled row's drafts came from
-            buf.q[:n].copy_(torch.stack([s.drafts.probs[:K] if s.drafts.probs is not None else torch.zeros_like(buf.q[0])
-                                         for s in seqs]))
+            q = verify_q([s.drafts for s in seqs], K)
+            buf.q[:n].copy_(q) if q is not None else buf.q[:n].zero_()
         return rows.copy_to(buf.sampling)
 
     def replay(self, buf: DecodeBuffers, rows: SamplingRows, K: int,
@@ -229,34 +218,21 @@ class DecodeStep:
         """The step itself, eagerly: what the graph captures. -> (packed [B, K+2+K'], q [B, K', V] or None)."""
         models, proposer = self.models, self.models.proposer
         B, K1 = buf.input_ids.shape
-        K = K1 - 1
         pos = buf.start[:, None] + torch.arange(K1, device=buf.start.device)  # [B, K+1]
         slots = torch.where(buf.valid[:, None], slot_mapping(buf.block_tables, pos, models.pool.block_size), -1)
         batch = PagedBatch(pos.flatten(), slots.flatten(), buf.query_start, (buf.start + K1).int(), buf.block_tables,
                            K1, None)
         out = verify(models, buf.input_ids.flatten(), batch)
         chosen = sample_rows(out.logits, rows.repeat(K1), batch.positions + 1).view(B, K1)
-        if K > 0:
-            sampled = buf.q is not None and not rows.all_greedy
-            tokens, n = accept_block(self.acceptance, buf.input_ids[:, 1:], chosen, rows, buf.start,
-                                     buf.q if sampled else None, out.logits.view(B, K1, -1) if sampled else None)
-        else:
-            tokens, n = chosen, torch.zeros(B, dtype=torch.long, device=chosen.device)
-        packed = torch.cat([tokens, n[:, None]], dim=1)
+        sampled = buf.q is not None and not rows.all_greedy
+        acc = accept(self.acceptance, buf.input_ids[:, 1:], chosen, rows, buf.start, buf.q if sampled else None,
+                     out.logits.view(B, K1, -1) if sampled else None)
+        packed = torch.cat([acc.tokens, acc.num_accepted[:, None]], dim=1)
         if proposer is None:
             return packed, None
-        proposer.append_context(models, CommittedRows(buf.input_ids.flatten(), batch, commit_slots(slots, n).flatten(),
-                                                      out.taps))
+        proposer.append_context(models, CommittedRows(buf.input_ids.flatten(), batch,
+                                                      commit_slots(slots, acc.num_accepted).flatten(), out.taps))
         if next_k == 0:
             return packed, None
-        # the next block from each request's new bonus (the last emitted token) at position start + n + 1
-        bonus, start = tokens.gather(1, n[:, None])[:, 0], buf.start + n + 1
-        sample = self.sampled_drafts and not rows.all_greedy
-        proposal = proposer.propose(models, DraftBatch(bonus, start, buf.block_tables, buf.draft_query_start, next_k,
-                                                       self.draft_rows(next_k), sampling=rows if sample else None),
-                                    want_logits=sample)
-        if not sample:
-            return torch.cat([packed, proposal.drafts], dim=1), None
-        drafts, q = ((proposal.drafts, proposal.q) if proposal.q is not None
-                     else sample_drafts(proposal.logits, proposal.drafts, rows, start))
+        drafts, q = propose(models, acc.bonus, acc.start, buf.block_tables, next_k, rows)
         return torch.cat([packed, drafts], dim=1), q

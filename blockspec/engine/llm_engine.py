@@ -17,6 +17,7 @@ from blockspec.engine.outputs import FinishReason, Record, RequestOutput, StepTr
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, StepResult, check_prompt
 from blockspec.engine.status import EngineLimits, EngineStats
+from blockspec.engine.step_bench import DecodeStepBench, decode_step_bench
 from blockspec.errors import BlockspecError
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.pool import CacheShape, KVPool
@@ -71,6 +72,8 @@ class LLMEngine:
         self.config = config
         runner = build_runner(lm, proposer, config, acceptance or TargetAcceptance())
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
+        self._local = runner  # this process's runner, for what the engine reports of it (under TP: rank 0's)
+        self.models: StepModels = runner.models
         self.pool, self.max_model_len = runner.models.pool, runner.max_model_len
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size, config.enable_prefix_caching)
         self.K = proposer.num_draft_tokens if proposer is not None else 0
@@ -80,8 +83,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
         # On the CPU a launched step has already run when launch returns: nothing would overlap, and each request
-        # finishing in a step would waste its row of the chained one. Tests turn it on there to check the path.
-        self.overlap = config.overlap and config.tensor_parallel_size == 1 and param.device.type == "cuda"
+        # finishing in a step would waste its row of the chained one. Tests force it on there to check the path.
+        auto = param.device.type == "cuda"
+        self.overlap = (auto if config.overlap is None else config.overlap) and config.tensor_parallel_size == 1
         self.inflight: Pending | None = None  # a step handed to the device and not yet collected
         self.num_overlapped_steps = 0  # steps enqueued before the previous one's tokens were read
         self.observer = StepObserver()
@@ -132,8 +136,15 @@ class LLMEngine:
                             self.pool.num_blocks * self.pool.block_size, self.K)
 
     def stats(self) -> EngineStats:
+        runner = self._local
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
-                           self.pool.num_blocks - self.blocks.num_free, self.num_overlapped_steps)
+                           self.pool.num_blocks - self.blocks.num_free, self.num_overlapped_steps,
+                           runner.num_decode_steps, runner.num_varlen_steps, tuple(runner.captured_graphs()))
+
+    def decode_step_bench(self, batch: int, K: int, context: int) -> DecodeStepBench:
+        """This engine's decode step on `batch` random requests at `context`, verifying K drafts and proposing K,
+        for timing (benchmarks/step.py): see engine/step_bench.py."""
+        return decode_step_bench(self._local.decode, batch, K, context, self.lm.config.vocab_size)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None  # a step in flight is collected by step()

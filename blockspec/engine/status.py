@@ -30,3 +30,16 @@ class EngineStats:
     running: int  # requests admitted (prefilling or decoding)
     kv_blocks_used: int  # KV blocks held by requests or cached prefixes in use
     num_overlapped_steps: int  # steps enqueued before the previous one's tokens were read (overlap)
+    num_decode_steps: int = 0  # steps run on the decode step (engine/decode_step.py), chained ones included
+    num_varlen_steps: int = 0  # steps (or the part of a mixed step) run on the varlen path
+    cuda_graphs: tuple[CapturedGraph, ...] = ()  # the decode steps captured so far (none on the CPU or eager)
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    """One captured decode step: one CUDA graph per (bucket, K, K', sampling mode)."""
+
+    batch: int  # the bucket: requests padded up to it
+    k: int  # drafts verified per request
+    next_k: int  # drafts proposed per request (K')
+    all_greedy: bool  # False: a graph of rows that sample

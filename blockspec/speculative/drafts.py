@@ -3,8 +3,9 @@
 Drafts is what a request carries from the step that proposed them to the step that verifies them: the tokens (host
 copy, for the next step's inputs and the trace) and, for drafts sampled from the drafter's distribution, that
 distribution q on the device. Both engine paths (the varlen step and the captured decode step) draw sampled drafts
-with sample_drafts and accept them with speculative/acceptance.accept_sampled, keyed by (seed, position) noise, so a
-request's result does not depend on the path or the rest of the batch."""
+with sample_drafts (speculative/step.propose), stack the q a verify batch accepts with verify_q and accept them with
+speculative/acceptance.accept_sampled, keyed by (seed, position) noise, so a request's result does not depend on the
+path or the rest of the batch."""
 
 from __future__ import annotations
 
@@ -43,3 +44,14 @@ def sample_drafts(logits: torch.Tensor, argmax: torch.Tensor, rows: SamplingRows
     noise = rng.exponential(rows.seeds.repeat_interleave(K), pos, rng.STREAM_DRAFT, V)
     drawn = race(q.view(B * K, V), noise).view(B, K)
     return torch.where((rows.temperature == 0)[:, None], argmax, drawn), q
+
+
+def verify_q(blocks: list[Drafts], K: int) -> torch.Tensor | None:
+    """The q [G, K, V] of G requests' drafts, the first K of each (what their verify step accepts by p/q rejection):
+    zeros for a block drafted by argmax (accepted by token match: its q is never read). None when no block carries a
+    q (or K = 0): nothing to reject by p/q."""
+    sampled = next((d.probs for d in blocks if d.probs is not None), None)
+    if sampled is None or K == 0:
+        return None
+    zeros = sampled.new_zeros(K, sampled.shape[-1])
+    return torch.stack([d.probs[:K] if d.probs is not None else zeros for d in blocks])

@@ -39,6 +39,19 @@ def derive_schedule(costs: dict[int, dict[int, float]], per_position: list[float
     return schedule
 
 
+def schedule_for_batches(step_ms: dict[int, dict[int, float]], per_position: list[float],
+                         batches: list[int]) -> dict[int, int]:
+    """{batch: K} for every batch size asked from the costs measured (step_ms[batch][K], any unit): a batch not
+    measured takes the K of the largest measured one below it (the first measured batch that drafts nothing has
+    stopped the measuring: none above it drafts either), K = 0 below the smallest."""
+    derived = derive_schedule({b: by_k for b, by_k in step_ms.items() if by_k}, per_position) if step_ms else {}
+    out: dict[int, int] = {}
+    for b in sorted(set(batches) | set(derived)):
+        below = [k for k in derived if k <= b]
+        out[b] = derived[b] if b in derived else (derived[max(below)] if below else 0)
+    return out
+
+
 def device_key(device: torch.device) -> str:
     """The name a schedule is recorded under: the GPU's model, or "cpu" (costs differ between machines)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

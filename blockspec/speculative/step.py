@@ -1,12 +1,13 @@
 """The stages of one speculative step that both engine paths share (the varlen step and the captured decode step):
 
   verify          the target over every row of the step, with the proposer's taps     -> VerifyStep
-  accept          blockspec/speculative/acceptance.py (a policy passed to the engine)
+  accept          a batch of verify blocks through the policy (speculative/acceptance.py) -> Accepted
   commit_slots    the rows whose tokens were committed keep their slots, the rest get -1
   append context  Proposer.append_context(models, CommittedRows)
-  propose         Proposer.propose(models, DraftBatch)
+  propose         Proposer.propose from each new bonus, sampled drafts drawn   -> (drafts, q)
 
-All of them run on a StepModels record (blockspec/speculative/proposer.py)."""
+All of them run on a StepModels record (blockspec/speculative/proposer.py), on the device, without a host sync: the
+captured decode step runs them inside its CUDA graph, the varlen step once per group of requests."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.attention.paged_ref import PagedBatch
-from blockspec.speculative.proposer import StepModels
+from blockspec.sampling import SamplingRows
+from blockspec.speculative.acceptance import AcceptancePolicy, accept_block
+from blockspec.speculative.drafts import sample_drafts
+from blockspec.speculative.proposer import DraftBatch, StepModels
 
 
 @dataclass
@@ -43,3 +47,53 @@ def commit_slots(slots: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tenso
     committed; the rest were rejected, and their target K/V, already written, is overwritten later)."""
     rows = torch.arange(slots.shape[1], device=slots.device)
     return torch.where(rows[None, :] <= num_accepted[:, None], slots, -1)
+
+
+@dataclass
+class Accepted:
+    """The accept stage's result for G verify blocks of K drafts each, starting at block_start."""
+
+    tokens: torch.Tensor  # [G, K+1] int64 emitted: d_1..d_n, then the target's token at row n, -1 after it
+    num_accepted: torch.Tensor  # [G] int64 n
+    block_start: torch.Tensor  # [G] int64 the position of each block's first row (its bonus)
+
+    @property
+    def bonus(self) -> torch.Tensor:
+        """[G] the last emitted token: the first row of the request's next step (computed when a proposer asks)."""
+        return self.tokens.gather(1, self.num_accepted[:, None])[:, 0]
+
+    @property
+    def start(self) -> torch.Tensor:
+        """[G] the new bonus's position."""
+        return self.block_start + self.num_accepted + 1
+
+
+def accept(policy: AcceptancePolicy, drafts: torch.Tensor, chosen: torch.Tensor, rows: SamplingRows,
+           start: torch.Tensor, q: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> Accepted:
+    """drafts [G, K], the target's choice at each verify row chosen [G, K+1], the requests' sampling rows [G] and
+    bonus positions start [G]; with sampled drafts their q [G, K, V] (speculative/drafts.verify_q) and the verify
+    logits [G, K+1, V]. K = 0 (plain decoding) emits the target's choice."""
+    if drafts.shape[1] == 0:
+        tokens, n = chosen, torch.zeros_like(start)
+    else:
+        tokens, n = accept_block(policy, drafts, chosen, rows, start, q, logits)
+    return Accepted(tokens, n, start)
+
+
+def propose(models: StepModels, bonus: torch.Tensor, start: torch.Tensor, block_tables: torch.Tensor, K: int,
+            rows: SamplingRows, max_kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next K drafts of B requests from their new bonus [B] at `start` [B] -> (drafts [B, K], q [B, K, V] or
+    None). Under probabilistic drafting with a sampled row the drafts are drawn from the drafter's distribution q
+    (by the proposer itself, as DFlash 2's selector does, else here from its logits); greedy rows keep argmax drafts.
+    max_kv_len: a host bound for the reference attention (None inside a captured step)."""
+    proposer = models.proposer
+    sample = proposer.probabilistic and not rows.all_greedy
+    R = proposer.draft_rows(K)
+    query_start = torch.arange(0, (bonus.shape[0] + 1) * R, R, dtype=torch.int32, device=bonus.device)
+    batch = DraftBatch(bonus, start, block_tables, query_start, K, R, max_kv_len, rows if sample else None)
+    proposal = proposer.propose(models, batch, want_logits=sample)
+    if not sample:
+        return proposal.drafts, None
+    if proposal.q is not None:
+        return proposal.drafts, proposal.q
+    return sample_drafts(proposal.logits, proposal.drafts, rows, start)
