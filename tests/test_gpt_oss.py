@@ -155,6 +155,77 @@ def test_bad_mxfp4_pairs(tensors, needle):
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+# ---- llama.cpp's gpt-oss GGUF ------------------------------------------------------------------------------------
+
+# HF layer tensor -> llama.cpp's name (its converter's table for gpt-oss, written here independently of the loader)
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+               "mlp.router.bias": "ffn_gate_inp.bias", **{f"self_attn.{p}_proj.{w}": f"attn_{g}.{w}"
+                                                          for p, g in [("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")]
+                                                          for w in ("weight", "bias")}}
+
+
+def write_gpt_oss_gguf(hf, path: Path) -> Path:
+    """A gpt-oss GGUF as llama.cpp's converter writes it: gate and up de-interleaved into ffn_gate_exps /
+    ffn_up_exps [E, I, H], ffn_down_exps [E, H, I], all three MXFP4 (quantized by the gguf package, and `hf` made to
+    run the weights they hold), their biases F32 [E, out]; the rest F32."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+    from gguf_utils import hf_metadata, write_gguf
+
+    cfg, tensors = hf.config, []
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+
+    def mxfp4(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raw = gguf_quantize(np.ascontiguousarray(a), QT.MXFP4)
+        return raw, gguf_dequantize(raw, QT.MXFP4).reshape(a.shape)
+
+    with torch.no_grad():
+        for name, t in hf.state_dict().items():
+            a = t.float().numpy()
+            if name in top:
+                tensors.append((top[name], a.copy(), None))
+                continue
+            layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+            blk = f"blk.{layer}"
+            if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate the even columns
+                w = a.transpose(0, 2, 1)
+                (gate, gate_dq), (up, up_dq) = mxfp4(w[:, 0::2]), mxfp4(w[:, 1::2])
+                tensors += [(f"{blk}.ffn_gate_exps.weight", gate, QT.MXFP4), (f"{blk}.ffn_up_exps.weight", up, QT.MXFP4)]
+                t[:, :, 0::2], t[:, :, 1::2] = torch.from_numpy(gate_dq).transpose(1, 2), torch.from_numpy(up_dq).transpose(1, 2)
+            elif rest == "mlp.experts.down_proj":  # [E, I, H]
+                raw, dq = mxfp4(a.transpose(0, 2, 1))
+                tensors.append((f"{blk}.ffn_down_exps.weight", raw, QT.MXFP4))
+                t.copy_(torch.from_numpy(dq).transpose(1, 2))
+            elif rest == "mlp.experts.gate_up_proj_bias":
+                tensors += [(f"{blk}.ffn_gate_exps.bias", a[:, 0::2].copy(), None),
+                            (f"{blk}.ffn_up_exps.bias", a[:, 1::2].copy(), None)]
+            elif rest == "mlp.experts.down_proj_bias":
+                tensors.append((f"{blk}.ffn_down_exps.bias", a.copy(), None))
+            else:
+                tensors.append((f"{blk}.{_GGUF_LAYER[rest]}", a.copy(), None))
+    rope = cfg.rope_parameters
+    meta = {**hf_metadata("gpt-oss", cfg), "gpt-oss.expert_count": cfg.num_local_experts,
+            "gpt-oss.expert_used_count": cfg.num_experts_per_tok, "gpt-oss.expert_feed_forward_length":
+            cfg.intermediate_size, "gpt-oss.attention.sliding_window": cfg.sliding_window,
+            "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": float(rope["factor"]),
+            "gpt-oss.rope.scaling.original_context_length": rope["original_max_position_embeddings"]}
+    return write_gguf(path, "gpt-oss", meta, tensors)
+
+
+def test_gguf_with_mxfp4_experts_matches_transformers(tmp_path):
+    from blockspec.loading.gguf_io import read_gguf
+
+    hf = make_hf(3)  # llama.cpp's gpt-oss has the released clamp (7) and alpha built in: the file carries neither
+    path = write_gpt_oss_gguf(hf, tmp_path / "m.gguf")
+    cfg = read_gguf(path).config
+    assert (cfg["architectures"], cfg["sliding_window"], cfg["intermediate_size"], cfg["rope_scaling"]["truncate"]) \
+        == (["GptOssForCausalLM"], 5, 32, False)
+    assert_matches(load_model(str(path), CPU), hf, *prompts(8))
+
+
 # ---- the attention's windows and sinks ---------------------------------------------------------------------------
 
 

@@ -64,7 +64,8 @@ def test_each_architecture_is_served_by_its_own_family_file(arch, file):
 
 def test_gguf_names_come_from_the_family_files():
     assert registry.gguf_architectures() == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                             "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                                             "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                                             "gpt-oss": "GptOssForCausalLM"}
 
 
 @pytest.mark.parametrize("arch,fields,traits", [

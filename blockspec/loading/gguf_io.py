@@ -21,10 +21,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType as 
 from gguf.quants import dequantize
 
 from blockspec.errors import ModelLoadError
+from blockspec.loading import gguf_gpt_oss
 from blockspec.loading.gguf_moe import EXPERT_SLOT, MOE_BLK, check_bank, moe_config
 from blockspec.models.registry import gguf_architectures
 
-_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4}
 _SCALARS = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I", VT.INT32: "i",
             VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q", VT.FLOAT64: "d"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -36,6 +37,9 @@ _BLK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", **MOE_BLK}
 _BLK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# an architecture's own block tensor kinds over _BLK, and its own config.json fields (meta, base config, path)
+_ARCH_BLK = {gguf_gpt_oss.ARCH: {**_BLK, **gguf_gpt_oss.BLK}}
+_ARCH_CONFIG = {gguf_gpt_oss.ARCH: gguf_gpt_oss.config}
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
@@ -153,14 +157,14 @@ def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]
     return out
 
 
-def _hf_name(name: str, path: Path) -> tuple[str | None, str]:
+def _hf_name(name: str, path: Path, blk: dict[str, str] = _BLK) -> tuple[str | None, str]:
     """(HF name or None when the tensor has no HF counterpart, GGUF kind such as 'attn_q')."""
     if name in _TOP or name in _NO_HF:
         return _TOP.get(name), name
     m = _BLK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _BLK:
+    if m is None or m.group(2) not in blk:
         raise ModelLoadError(f"{path}: tensor {name!r} has no Hugging Face counterpart (unsupported layout)")
-    return f"model.layers.{m.group(1)}.{_BLK[m.group(2)]}.{m.group(3)}", m.group(2)
+    return f"model.layers.{m.group(1)}.{blk[m.group(2)]}.{m.group(3)}", m.group(2)
 
 
 @dataclass
@@ -225,7 +229,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         if qtype not in _TYPES:
             raise ModelLoadError(f"{path}: tensor {name!r} has unsupported type {qtype.name} "
                                  f"(supported: {', '.join(sorted(q.name for q in _TYPES))})")
-        hf, kind = _hf_name(name, path)
+        hf, kind = _hf_name(name, path, _ARCH_BLK.get(arch, _BLK))
         if hf is None:
             if name == "rope_freqs.weight":
                 warnings.warn(f"{path}: ignoring rope_freqs.weight (llama.cpp RoPE frequency factors, e.g. "
@@ -271,6 +275,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
         "attention_bias": "blk.0.attn_q.bias" in tinfo,
         **moe,
     }
+    if arch in _ARCH_CONFIG:
+        config.update(_ARCH_CONFIG[arch](meta, config, path))
     return GGUFModel(path, config, meta.get("tokenizer.chat_template"), infos)
 
 

@@ -22,10 +22,11 @@ MOE_BLK = {"ffn_gate_inp": "mlp.gate",
 
 
 def check_bank(name: str, shape: tuple[int, ...], experts: int | None, path: Path) -> None:
-    """A stacked bank must be [num_experts, out, in]."""
-    if len(shape) != 3 or shape[0] != experts:
+    """A stacked bank must be [num_experts, out, in] ([num_experts, out] for its biases: gpt-oss)."""
+    bias = name.endswith(".bias")
+    if len(shape) != (2 if bias else 3) or shape[0] != experts:
         raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(shape)}; a stacked expert bank is "
-                             f"[expert_count={experts}, out, in]")
+                             f"[expert_count={experts}, out{'' if bias else ', in'}]")
 
 
 def moe_config(meta: dict[str, Any], arch: str, tensors: Container[str], layers: int, path: Path) -> dict[str, Any]:

@@ -13,8 +13,8 @@
 Checkpoints: transformers' names; the expert banks stacked (`mlp.experts.gate_up_proj` [E, H, 2I] with gate and up
 interleaved, `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H], `down_proj_bias` [E, H]), split per expert here
 (`checkpoint_tensors`), or as the released checkpoints store them, in MXFP4 (`*_blocks` + `*_scales`), dequantized
-on the CPU at load by loading/mxfp4.py before they get here. llama.cpp's gpt-oss GGUF is not read (no
-`gguf_architecture`): its MXFP4 expert tensors and sinks have no mapping in loading/gguf_io.py yet."""
+on the CPU at load by loading/mxfp4.py before they get here; or llama.cpp's gpt-oss GGUF (loading/gguf_gpt_oss.py:
+its names, MXFP4 banks dequantized by the gguf package)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,8 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
+    gguf_architecture = "gpt-oss"  # llama.cpp's tensor names and keys: loading/gguf_gpt_oss.py
+
     @classmethod
     def layer_traits(cls, cfg: ModelConfig) -> LayerTraits:
         bias = cfg.flag("attention_bias", default=True)  # HF's GptOssConfig: true unless said otherwise
@@ -149,9 +151,12 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each stacked bank split into per-expert tensors under HF's per-module names (gate_proj / up_proj /
         down_proj .weight / .bias), gate and up de-interleaved (gate the even rows of HF's bank), the weights
-        transposed to nn.Linear's [out, in]; views, copied once into the parameters. Every other tensor as it is."""
+        transposed to nn.Linear's [out, in]; views, copied once into the parameters. A GGUF's `sinks.weight` as HF's
+        `sinks`. Every other tensor as it is."""
         E, H, inter = self.spec.num_experts, self.config.hidden_size, self.config.intermediate_size
         for name, t in tensors:
+            if name.endswith(".self_attn.sinks.weight"):  # a GGUF's name for it (llama.cpp's converter adds .weight)
+                name = name[:-len(".weight")]
             m = _BANK.fullmatch(name)
             if m is None:
                 yield name, t
