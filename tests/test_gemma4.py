@@ -130,6 +130,22 @@ def test_conditional_generation_checkpoint_serves_its_language_model(tmp_path, c
     assert_matches(lm, hf, ids, splits)
 
 
+def test_layer_scalars_left_out_of_a_checkpoint_are_one(tmp_path):
+    """HF initializes a layer_scalar the checkpoint does not hold to 1; the loader does alike."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf(4, **CONFIGS["k-eq-v"][1])
+    for name, b in hf.named_buffers():
+        if name.endswith("layer_scalar"):
+            b.fill_(1.0)
+    hf.save_pretrained(str(tmp_path / "m"))
+    state = load_file(str(tmp_path / "m" / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.endswith("layer_scalar")}, str(tmp_path / "m" / "model.safetensors"))
+    lm = load_model(str(tmp_path / "m"), CPU)
+    assert all(float(layer.layer_scalar) == 1.0 for layer in lm.model.layers)
+    assert_matches(lm, hf, *prompts())
+
+
 # ---- bad configs: one line naming the field --------------------------------------------------------------------
 
 

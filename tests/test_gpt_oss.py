@@ -158,11 +158,12 @@ def test_bad_mxfp4_pairs(tensors, needle):
 # ---- llama.cpp's gpt-oss GGUF ------------------------------------------------------------------------------------
 
 # HF layer tensor -> llama.cpp's name (its converter's table for gpt-oss, written here independently of the loader)
-_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight",
+               "post_attention_layernorm.weight": "post_attention_norm.weight",
                "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
-               "mlp.router.bias": "ffn_gate_inp.bias", **{f"self_attn.{p}_proj.{w}": f"attn_{g}.{w}"
-                                                          for p, g in [("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")]
-                                                          for w in ("weight", "bias")}}
+               "mlp.router.bias": "ffn_gate_inp.bias",
+               **{f"self_attn.{p}_proj.{w}": f"attn_{g}.{w}" for p, g in [("q", "q"), ("k", "k"), ("v", "v"),
+                                                                          ("o", "output")] for w in ("weight", "bias")}}
 
 
 def write_gpt_oss_gguf(hf, path: Path) -> Path:
@@ -193,8 +194,10 @@ def write_gpt_oss_gguf(hf, path: Path) -> Path:
             if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate the even columns
                 w = a.transpose(0, 2, 1)
                 (gate, gate_dq), (up, up_dq) = mxfp4(w[:, 0::2]), mxfp4(w[:, 1::2])
-                tensors += [(f"{blk}.ffn_gate_exps.weight", gate, QT.MXFP4), (f"{blk}.ffn_up_exps.weight", up, QT.MXFP4)]
-                t[:, :, 0::2], t[:, :, 1::2] = torch.from_numpy(gate_dq).transpose(1, 2), torch.from_numpy(up_dq).transpose(1, 2)
+                tensors += [(f"{blk}.ffn_gate_exps.weight", gate, QT.MXFP4),
+                            (f"{blk}.ffn_up_exps.weight", up, QT.MXFP4)]
+                t[:, :, 0::2] = torch.from_numpy(gate_dq).transpose(1, 2)
+                t[:, :, 1::2] = torch.from_numpy(up_dq).transpose(1, 2)
             elif rest == "mlp.experts.down_proj":  # [E, I, H]
                 raw, dq = mxfp4(a.transpose(0, 2, 1))
                 tensors.append((f"{blk}.ffn_down_exps.weight", raw, QT.MXFP4))

@@ -29,7 +29,7 @@ from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
 from blockspec.models.base import AttentionFn, ForwardOutput
 from blockspec.models.config import ModelConfig
 from blockspec.models.decoder import DecoderForCausalLM
-from blockspec.models.gemma4_spec import Gemma4Spec, LayerShape, MoeShape
+from blockspec.models.gemma4_spec import Gemma4Spec, MoeShape
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 _TEXT_PREFIX = "model.language_model."
@@ -97,11 +97,12 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out[..., :D].reshape(T, self.num_heads * D))
 
 
-class Gemma4Experts(nn.Module):
-    """The MoE half of a layer: router (weightless norm, * scale / sqrt(hidden), softmax in fp32, top-k renormalized,
-    * per_expert_scale) over the residual stream, experts (GatedMLP each) over their own pre-norm."""
+class Gemma4Router(nn.Module):
+    """The MoE half's router (HF's `router.*`): a weightless norm of the residual stream, * scale / sqrt(hidden), the
+    projection, softmax in fp32, the top k renormalized, * per_expert_scale. The experts (GatedMLP each, `experts.{e}`)
+    run over their own pre-norm (Gemma4DecoderLayer)."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoeShape, activation: str) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoeShape) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.norm = Fp32RMSNorm(H, cfg.rms_norm_eps, with_scale=False)
@@ -126,9 +127,9 @@ class Gemma4DecoderLayer(nn.Module):
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, Fp32RMSNorm(H, eps))
-        self.router: Gemma4Experts | None = None
+        self.router: Gemma4Router | None = None
         if spec.moe is not None:  # HF's names: router.*, experts.{e}.*, three more norms
-            self.router = Gemma4Experts(cfg, spec.moe, spec.activation)
+            self.router = Gemma4Router(cfg, spec.moe)
             self.experts = nn.ModuleList(GatedMLP(H, spec.moe.intermediate, spec.activation)
                                          for _ in range(spec.moe.num_experts))
             for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
@@ -237,13 +238,17 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A conditional-generation checkpoint's language model (model.language_model.* -> model.*), its media towers
         skipped; the k/v weights sharing layers do not use dropped; stacked expert banks (experts.gate_up_proj
-        [E, 2I, H], experts.down_proj [E, H, I]) split per expert under per-module names."""
+        [E, 2I, H], experts.down_proj [E, H, I]) split per expert under per-module names; a layer_scalar the
+        checkpoint leaves out is 1 (what HF initializes it to)."""
+        scalars = set(range(len(self.layers)))
         for name, t in tensors:
             if name.startswith(_NOT_TEXT):
                 continue
             if name.startswith(_TEXT_PREFIX):
                 name = "model." + name[len(_TEXT_PREFIX):]
             parts = name.split(".")
+            if len(parts) == 4 and parts[1] == "layers" and parts[3] == "layer_scalar":
+                scalars.discard(int(parts[2]))
             if len(parts) > 4 and parts[1] == "layers" and parts[3] == "self_attn" \
                     and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm") \
                     and not self.layers[int(parts[2])].self_attn.owns_kv:
@@ -258,6 +263,8 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
                         yield f"{'.'.join(parts[:4])}.{e}.up_proj.weight", up
                 continue
             yield name, t
+        for i in sorted(scalars):
+            yield f"model.layers.{i}.layer_scalar", torch.ones(1)
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
