@@ -140,7 +140,8 @@ def test_layer_scalars_left_out_of_a_checkpoint_are_one(tmp_path):
             b.fill_(1.0)
     hf.save_pretrained(str(tmp_path / "m"))
     state = load_file(str(tmp_path / "m" / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if not k.endswith("layer_scalar")}, str(tmp_path / "m" / "model.safetensors"))
+    kept = {k: v for k, v in state.items() if not k.endswith("layer_scalar")}
+    save_file(kept, str(tmp_path / "m" / "model.safetensors"))
     lm = load_model(str(tmp_path / "m"), CPU)
     assert all(float(layer.layer_scalar) == 1.0 for layer in lm.model.layers)
     assert_matches(lm, hf, *prompts())
