@@ -252,7 +252,7 @@ def main() -> None:
         from blockspec.layers.invariant_linear import make_batch_invariant
 
         make_batch_invariant(lm.model)
-        inv_rows, inv_parts = table(replace(lm, batch_invariant=True))
+        inv_rows, inv_parts = table(replace(lm, plan=replace(lm.plan, batch_invariant=True)))
         with open(args.out, "w") as f:
             json.dump(apply_floor({**base, "table": rows, "table_batch_invariant": inv_rows,
                                    "breakdown_bs1_ctx1k": parts, "breakdown_bs1_ctx1k_batch_invariant": inv_parts},

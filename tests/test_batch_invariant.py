@@ -114,7 +114,7 @@ def _invariant_pair(dtype: torch.dtype):
     pair = trained_pair()
     model = copy.deepcopy(pair.lm.model).to(DEV, dtype)
     make_batch_invariant(model)
-    lm = dataclasses.replace(pair.lm, model=model, batch_invariant=True)
+    lm = dataclasses.replace(pair.lm, model=model, plan=dataclasses.replace(pair.lm.plan, batch_invariant=True))
     return lm, dataclasses.replace(pair.draft, model=copy.deepcopy(pair.draft.model).to(DEV, dtype))
 
 
