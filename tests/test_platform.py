@@ -142,7 +142,7 @@ def test_explain_prints_the_plan_and_generates_nothing(pair, capsys):
     assert rows["attention"].startswith("torch")
     assert rows["drafter"].startswith((pf.DRAFT_BF16 if BF16 else pf.DRAFT_PLAIN) + " (dflash)")
     assert rows["drafting"].startswith("full-block drafting")
-    assert "full-block drafting: the CPU's default (--full-block-drafting left unset)" in out
+    assert "full-block drafting: the CPU default for a DFlash drafter (full_block_drafting unset)" in out
 
 
 @pytest.mark.skipif("q4" not in QUANT or not NATIVE, reason="the native q4 kernels do not build here")

@@ -160,8 +160,8 @@ def plan(load: LoadConfig, speculative: SpeculativeConfig | dict | None = None, 
         _refuse_sharding(load, speculative)
     device = resolve_device(load.device)
     dtype = resolve_dtype(load.dtype, device)
+    mode = cpu_quant.resolve(load.cpu_quant, device)  # an unknown mode is refused first
     native, native_why = native_status() if device.type == "cpu" and load.cpu_quant != "off" else (NOT_USED, None)
-    mode = cpu_quant.resolve(load.cpu_quant, device)
     _check(load, mode, device, dtype)
     reasons = []
     if load.cpu_quant == "auto":
@@ -187,7 +187,7 @@ def _target(mode: str, load: LoadConfig, native: bool) -> str:
 
 def _drafting(p: PlatformPlan, spec: SpeculativeConfig, load: LoadConfig, device: torch.device) -> PlatformPlan:
     """The drafting defaults: on the CPU a DFlash drafter's speed options the user left unset take the demo's
-    measured settings (docs/perf.md): full-block drafting (with the K the calibration picks, below block_size - 1,
+    measured settings (docs/performance.md): full-block drafting (with the K the calibration picks, below block_size - 1,
     the drafts of the block shape the drafter was trained on are accepted more often, and 16 draft rows cost little
     next to verifying) and, where the CPU has bf16 units, the drafter in bf16 (a cheaper draft pass; the target
     still verifies in its own dtype, so outputs do not change). Other devices and methods keep the config's own."""
@@ -200,8 +200,9 @@ def _drafting(p: PlatformPlan, spec: SpeculativeConfig, load: LoadConfig, device
                 and cpu_packed.bf16_supported(device)):
             changes["cpu_bf16_draft"] = True
     filled = replace(spec, **changes)
-    words = {"full_block_drafting": "full-block drafting: the CPU's default (--full-block-drafting left unset)",
-             "cpu_bf16_draft": "drafter in bf16: the default on a CPU with bf16 units (--cpu-bf16-draft left unset)"}
+    words = {"full_block_drafting": "full-block drafting: the CPU default for a DFlash drafter (full_block_drafting "
+                                    "unset)",
+             "cpu_bf16_draft": "drafter in bf16: the default on a CPU with bf16 units (cpu_bf16_draft unset)"}
     reasons = [words[name] for name in changes]
     p = replace(p, speculative=filled, reasons=p.reasons + tuple(reasons))
     if method != "dflash":
