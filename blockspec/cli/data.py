@@ -88,13 +88,14 @@ def _build(args: argparse.Namespace, spec: SpeculativeConfig | None, found: Prom
         return lm, load_draft(spec, lm)
 
     lm, draft = load() if dp is None else dp.together(load)
-    if dp is None or dp.main:
-        report_plan(lm.plan.with_proposer(draft))
     ranks = {} if dp is None else {"rank": dp.rank, "world_size": dp.world_size, "sync": dp.together}
-    return build_dataset(
+    manifest = build_dataset(
         lm, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
         chat=not args.no_chat, max_prompt_tokens=args.max_prompt_tokens, max_num_seqs=args.max_num_seqs,
         meta={"prompt_files": found.summary(), "first_turn_only": args.first_turn_only, "limit": args.limit,
               "draft": args.draft_model},
         draft=draft, **ranks,
     )
+    if dp is None or dp.main:  # after the run: a refusal anywhere before it stays one line
+        report_plan(lm.plan.with_proposer(draft))
+    return manifest

@@ -172,8 +172,6 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, arch: DraftArch, dp: Data
         device = "cpu" if dp.fsdp else str(dp.device)
         dtype = args.dtype or ("bfloat16" if dp.device.type == "cuda" else None)
     lm = together(lambda: load_model(args.target, LoadConfig(device=device, dtype=dtype)))
-    if dp is None or dp.main:
-        report_plan(lm.plan)
     if dp is not None and dp.fsdp:
         from blockspec.train.fsdp import shard_target
 
@@ -182,7 +180,10 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, arch: DraftArch, dp: Data
     out = Path(args.out)
     data_dirs = [Path(d) for d in args.data] if args.data is not None else [_generate(lm, args, out / "data", dp)]
     setup, data = together(lambda: _draft_and_data(lm, args, cfg, arch, data_dirs, dp))
-    return train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume, dp=dp)
+    report = train(lm, setup, data, cfg, out, eval_prompts, resume=args.resume, dp=dp)
+    if dp is None or dp.main:  # after the run: a refusal anywhere before it stays one line
+        report_plan(lm.plan)
+    return report
 
 
 def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig, arch: DraftArch,
