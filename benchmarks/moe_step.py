@@ -7,7 +7,11 @@ norms, routers) plus, per MoE layer, the experts its rows chose in that step, ea
 rows: what the fused kernel reads, layers/fused_moe.py). The unions are recorded from one eager pass of the same
 step on the same inputs. With random weights the router is near uniform, so a verify block's union is close to the
 random-routing expectation (E (1 - (1 - k/E)^rows)); a trained model's rows agree more and read fewer experts.
-Usage: python -m benchmarks.moe_step --out docs/perf/moe_step_bench.json [--batches 1,8] [--K 15]"""
+Layers: the full 48 need ~61 GB of bf16 weights and do not fit an 80 GB H100 beside the step's buffers; `--layers auto`
+(the default) keeps every layer where the GPU has over 100 GiB and 24 of the same shape elsewhere. The floor counts
+the model as built, so it scales with the layers, and the step/floor ratio is per layer the same quantity.
+Usage: python -m benchmarks.moe_step --out docs/results/data/moe-step-DEVICE-DATE.json [--batches 1,8] [--K 15]
+[--layers auto|N]"""
 
 from __future__ import annotations
 
@@ -20,13 +24,20 @@ from benchmarks.parts import floor_bytes, floor_ms
 from benchmarks.random_pair import make_pair
 from benchmarks.step import copy_bandwidth, decode_step, free_memory, time_ms
 from blockspec.layers.moe import SparseMoeBlock
+from blockspec.models.dflash_config import default_target_layer_ids
 
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
                      intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
                      rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False)
-MASK, TAPS, DRAFT_LAYERS = 151669, [1, 12, 23, 34, 45], 5
+MASK, DRAFT_LAYERS = 151669, 5
+
+
+def layers_for(arg: str) -> int:
+    if arg != "auto":
+        return int(arg)
+    return 48 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 24
 
 
 def expert_bytes(block: SparseMoeBlock) -> int:
@@ -76,9 +87,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--K", type=int, default=15)
+    ap.add_argument("--layers", default="auto", help="target layers of the 30B-A3B shape (auto: 48 where it fits, else 24)")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    lm, draft = make_pair(QWEN3_30B_A3B, args.K, DRAFT_LAYERS, TAPS, MASK, torch.device("cuda"), torch.bfloat16)
+    num_layers = layers_for(args.layers)
+    shape = {**QWEN3_30B_A3B, "num_hidden_layers": num_layers}
+    taps = default_target_layer_ids(num_layers, DRAFT_LAYERS)
+    lm, draft = make_pair(shape, args.K, DRAFT_LAYERS, taps, MASK, torch.device("cuda"), torch.bfloat16)
     for m in lm.model.modules():
         if isinstance(m, SparseMoeBlock):
             m.stack_experts()  # what load_model's prepare_target does on CUDA
@@ -102,7 +117,8 @@ def main() -> None:
         rows.append(r)
         print(json.dumps(r), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9,
-              "target": "Qwen3-30B-A3B-shaped, random bf16 weights (128 experts, top-8, 48 layers)",
+              "target": f"Qwen3-30B-A3B-shaped, random bf16 weights (128 experts, top-8, {num_layers} of its 48 layers)",
+              "num_layers": num_layers,
               "drafter": f"{DRAFT_LAYERS}-layer block-16 DFlash, random", "floor": __doc__.split("\n\n")[1],
               "target_weight_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),
               "table": rows}
