@@ -1,6 +1,6 @@
 """Tiny random Qwen3.5 / Qwen3.5-MoE checkpoints made with transformers (the reference), and a runner that drives our
-hybrid model over a paged KV pool and a RecurrentState the way the engine will: sequences with slots, varlen prefill
-chunks, batched decode rows, verify blocks with keep_rows and the commit after them."""
+hybrid model over a paged KV pool and a RecurrentState the way the engine does: sequences with slots, varlen prefill
+chunks, batched decode rows, verify blocks (their rows' inputs kept) and the replay commit after them."""
 
 from __future__ import annotations
 
@@ -109,8 +109,7 @@ class PagedRunner:
         kv_lens = torch.tensor([self.lens[s] + len(t) for s, t in runs], dtype=torch.int32)
         batch = PagedBatch(positions, slot_mapping, query_start, kv_lens, self.tables[seqs],
                            max(len(t) for _, t in runs))
-        rb = RecurrentBatch.build(self.state, seqs, query_start, positions,
-                                  torch.tensor(keep) if any(keep) else None)
+        rb = RecurrentBatch.build(self.state, seqs, query_start, positions, keep)
         with torch.no_grad():
             out = self.model(torch.tensor(ids), positions, PagedTargetAttention(self.pool, batch), tap_layers=taps,
                              state=rb)
@@ -118,6 +117,11 @@ class PagedRunner:
             if not k:
                 self.lens[s] += len(toks)
         return out, rb
+
+    def commit(self, rb: RecurrentBatch, accepted: Sequence[int]) -> None:
+        """After a forward with verify blocks: each one's slot <- its state after accepted[i] drafts (per run)."""
+        with torch.no_grad():
+            self.model.commit_state(rb, torch.tensor(accepted))
 
     def slot_state(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv windows [L, C, K-1], delta-rule states [L, H, Dk, Dv]) of sequence s, every linear layer, copies."""

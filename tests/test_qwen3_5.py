@@ -2,8 +2,8 @@
 hybrid_state.py; layers/gated_delta.py, short_conv.py, gated_norm.py) against transformers' Qwen3_5ForCausalLM and
 Qwen3_5MoeForCausalLM on tiny random configs, fp32 on CPU: logits and taps from a safetensors directory through
 load_model, over the paged pool and state slots (batched prefill chunks, then decode); the ConditionalGeneration
-checkpoint form; the delta rule's chunked form against its recurrent form; exact rollback of a verify block
-(keep_rows + commit); bad hybrid configs failing in one line naming the field."""
+checkpoint form; the delta rule's chunked form against its recurrent form; exact rollback of a verify block (its
+rows' inputs kept, the replay commit); bad hybrid configs failing in one line naming the field."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockspec.errors import ModelLoadError
-from blockspec.layers.gated_delta import chunked_rule, l2_normalize, recurrent_rule
+from blockspec.layers.gated_delta import chunked_rule, gated_delta_rule, l2_normalize, recurrent_rule
 from blockspec.layers.moe import Router
-from blockspec.layers.short_conv import causal_conv
+from blockspec.layers.short_conv import causal_conv, window_after
 from blockspec.loading.loader import LoadConfig, load_model
 from dense_cache import DenseCausalAttention, DenseKVCache
 from hybrid_utils import VOCAB, PagedRunner, assert_matches_transformers, make_hf, prefill_decode, save
@@ -90,13 +90,10 @@ def rule_inputs(B: int, L: int, H: int, Dk: int, Dv: int, seed: int):
 @pytest.mark.parametrize("L", [1, 5, 64, 150])
 def test_chunked_form_equals_recurrent_form(L):
     q, k, v, g, beta, s0 = rule_inputs(2, L, 3, 8, 12, L)
-    out_r, final_r, rows = recurrent_rule(q, k, v, g, beta, s0, keep_rows=True)
+    out_r, final_r = recurrent_rule(q, k, v, g, beta, s0)
     out_c, final_c = chunked_rule(q, k, v, g, beta, s0)
     assert torch.allclose(out_c, out_r, rtol=1e-5, atol=1e-5) and torch.allclose(final_c, final_r, rtol=1e-5, atol=1e-5)
     assert torch.equal(s0, rule_inputs(2, L, 3, 8, 12, L)[-1])  # the initial state is not written
-    for n in {0, L // 2, L - 1}:  # the state kept after row n: bit for bit the final state of rows 0..n alone
-        assert torch.equal(rows[:, n], recurrent_rule(q[:, :n + 1], k[:, :n + 1], v[:, :n + 1], g[:, :n + 1],
-                                                      beta[:, :n + 1], s0)[1])
     # a run split in two, the second part from the first's state: the same as in one go
     cut = L // 2
     a, s_mid = chunked_rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], s0)
@@ -105,15 +102,43 @@ def test_chunked_form_equals_recurrent_form(L):
     assert torch.allclose(s_end, final_r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("L", [1, 5, 16])
+def test_replay_with_neutral_rows_is_the_prefix_state_bit_for_bit(L):
+    """The rollback's premise: rows with g = 0 and beta = 0 leave the state exactly as it is, so all L rows replayed
+    with the rows past n so neutralized give bit for bit the state after rows 0..n alone (per sequence, n differing
+    between the two), and gated_delta_rule (key heads, expanded to the value heads) is the reference form."""
+    q, k, v, g, beta, s0 = rule_inputs(2, L, 4, 8, 12, L)
+    for n in {0, L // 2, L - 1}:
+        ns = torch.tensor([n, L - 1 - n])
+        live = (torch.arange(L)[None] <= ns[:, None])[..., None]
+        out, replayed = recurrent_rule(q, k, v, torch.where(live, g, 0.0), torch.where(live, beta, 0.0), s0,
+                                       outputs=False)
+        assert out is None
+        for b, m in enumerate(ns.tolist()):
+            alone = recurrent_rule(q[b:b + 1, :m + 1], k[b:b + 1, :m + 1], v[b:b + 1, :m + 1], g[b:b + 1, :m + 1],
+                                   beta[b:b + 1, :m + 1], s0[b:b + 1])[1]
+            assert torch.equal(replayed[b:b + 1], alone), (n, b)
+    # two value heads per key head: the same as the reference form on keys repeated by hand
+    qk = q[:, :, ::2], k[:, :, ::2]
+    got = gated_delta_rule(*qk, v, g, beta, s0, chunked=False)
+    want = recurrent_rule(qk[0].repeat_interleave(2, 2), qk[1].repeat_interleave(2, 2), v, g, beta, s0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_conv_window_continues_across_calls():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 11, 6, generator=g), torch.randn(6, 1, 4, generator=g)
     zeros = torch.zeros(2, 6, 3)
     whole, last = causal_conv(x, zeros, w)
     a, win = causal_conv(x[:, :4], zeros, w)
-    b, per_row = causal_conv(x[:, 4:], win, w, keep_rows=True)
-    assert torch.allclose(torch.cat([a, b], 1), whole, atol=1e-6) and torch.equal(per_row[:, -1], last)
-    assert torch.equal(per_row[:, 2], x[:, 4:7].transpose(1, 2))  # the window after a row: the last 3 inputs
+    b, end = causal_conv(x[:, 4:], win, w)
+    assert torch.allclose(torch.cat([a, b], 1), whole, atol=1e-6) and torch.equal(end, last)
+    # the window after row n of a block (n per sequence): the last 3 inputs through row n, as a run stopped there
+    n = torch.tensor([1, 5])
+    after = window_after(win, x[:, 4:], n)
+    for i, m in enumerate(n.tolist()):
+        assert torch.equal(after[i], causal_conv(x[i:i + 1, 4:5 + m], win[i:i + 1], w)[1][0])
+    assert torch.equal(window_after(win, x[:, 4:], torch.tensor([0, 0]))[:, :, :2], win[:, :, 1:])  # old inputs too
     y0, _ = causal_conv(x[:, :1], zeros, w)
     assert torch.allclose(y0[:, 0], torch.nn.functional.silu(x[:, 0] * w[:, 0, -1]), atol=1e-6)  # zeros before
 
@@ -128,12 +153,13 @@ def dense_lm(tmp_path_factory):
 
 
 def test_verify_rows_roll_back_exactly(dense_lm):
-    """Two sequences verify K + 1 = 5 rows each with keep_rows beside a third's plain decode row, in one forward.
-    For each choice of accepted rows, commit puts into each verify slot the state after its row n, which equals
-    (every linear layer's conv window and delta-rule state) the state after decoding rows 0..n one at a time; the
-    plain row's slot holds its new state; and decoding on from the committed state gives HF's logits. Within 1e-6,
-    not bit for bit: the projections' GEMMs round a 5-row block and a 1-row step apart by an ulp (the delta rule's
-    own per-row arithmetic is the same bits: test_chunked_form_equals_recurrent_form)."""
+    """Two sequences verify K + 1 = 5 rows each (their rows' inputs kept, their slots untouched) beside a third's
+    plain decode row, in one forward. For each choice of accepted rows, the replay commit (model.commit_state) puts
+    into each verify slot the state after its row n, which equals (every linear layer's conv window and delta-rule
+    state) the state after decoding rows 0..n one at a time; the plain row's slot holds its new state; and decoding
+    on from the committed state gives HF's logits. Within 1e-6, not bit for bit: the projections' GEMMs round a
+    5-row block and a 1-row step apart by an ulp (the replay's own arithmetic is exact:
+    test_replay_with_neutral_rows_is_the_prefix_state_bit_for_bit)."""
     hf, lm = dense_lm
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (20, 33, 7)]
@@ -142,6 +168,7 @@ def test_verify_rows_roll_back_exactly(dense_lm):
     ref = PagedRunner(lm.model, 3, 64)
     for r in (ver, ref):
         r.forward([(i, p) for i, p in enumerate(prompts)])
+    ssm0 = [ver.slot_state(s)[1] for s in (0, 1)]
     out, rb = ver.forward([(0, block[0]), (1, block[1]), (2, [3])], keep=[True, True, False])
     # the reference: the same rows decoded one at a time, the state of every slot after each
     after: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
@@ -156,10 +183,11 @@ def test_verify_rows_roll_back_exactly(dense_lm):
     assert (ver.slot_state(2)[0] - ref.slot_state(2)[0]).abs().max().item() <= 1e-6  # the plain row's, in its slot
     assert torch.allclose(ver.slot_state(2)[1], ref.slot_state(2)[1], atol=1e-6)
     before = (ver.state.conv.clone(), ver.state.ssm.clone())
+    assert all(torch.equal(ver.slot_state(s)[1], ref_before) for s, ref_before in ((0, ssm0[0]), (1, ssm0[1])))
     for n0, n1 in [(0, 4), (2, 1), (4, 0), (3, 3)]:
         ver.state.conv.copy_(before[0])
         ver.state.ssm.copy_(before[1])
-        ver.state.commit(rb, torch.tensor([n0, n1, 0]))
+        ver.commit(rb, [n0, n1, 0])
         for s, n in ((0, n0), (1, n1)):
             conv, ssm = ver.slot_state(s)
             assert (conv - after[s][n][0]).abs().max().item() <= 1e-6, (s, n)

@@ -41,6 +41,9 @@ def make_engine(lm: LoadedModel, draft: Proposer | LoadedDraft | None, config: E
     """The engine for `lm` and `draft` as `config` says. sources: where the models were read from, which the
     tensor-parallel ranks read again (lm and draft are then rank 0's full copies, on the CPU, sharded here)."""
     if config.tensor_parallel_size > 1:
+        if callable(getattr(lm.model, "recurrent_shape", None)):  # before any rank shards its layers
+            raise ConfigError("tensor parallelism does not support hybrid targets (linear-attention layers) yet",
+                              field="tensor_parallel_size")
         if sources is None:
             raise ConfigError("tensor_parallel_size > 1 needs the models' sources, which every rank reads: build the "
                               "LLM with LLM(model, ...) or LLM.from_loaded(..., sources=load_models(...).sources)",

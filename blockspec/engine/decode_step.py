@@ -7,7 +7,9 @@ host once, and with sampled drafts their distributions q [B, K', V], which stay 
 
 Inputs live in static per-bucket buffers (batch padded up to a bucket size), so on CUDA the whole step is captured
 once per (bucket, K, K', sampling mode) as a CUDA graph and replayed; `enforce_eager` (and CPU) runs the same
-function uncaptured, so graph and eager results are equal. Padding rows write nothing: their slots are -1.
+function uncaptured, so graph and eager results are equal. Padding rows write nothing: their slots are -1 (a hybrid
+target's padding rows read and write its sink state slot, which no request owns). A hybrid target's verify blocks
+keep their rows' inputs and their state is committed after accept, inside the same function (commit_state).
 
 A step is launched (enqueued, its result copied to pinned host memory behind it) and collected (wait, parse) apart:
 launch_next enqueues the following step of the same requests from the device-side result of the one before (bonus,
@@ -21,15 +23,17 @@ import torch
 
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.engine.observer import StepObserver
+from blockspec.engine.recurrent import sink_slot
 from blockspec.engine.scheduler import ScheduledSeq
 from blockspec.engine.sequence import Sequence, StepResult, block_tables
 from blockspec.engine.step_layout import StepLayout
 from blockspec.host_tensors import host_tensor
+from blockspec.models.hybrid_state import RecurrentBatch
 from blockspec.sampling import SamplingRows, sample_rows
 from blockspec.speculative.acceptance import AcceptancePolicy
 from blockspec.speculative.drafts import verify_q
 from blockspec.speculative.proposer import CommittedRows, StepModels
-from blockspec.speculative.step import accept, commit_slots, propose, slot_mapping, verify
+from blockspec.speculative.step import accept, commit_slots, commit_state, propose, slot_mapping, verify
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -49,13 +53,14 @@ class DecodeBuffers:
     sampling: SamplingRows  # [B] per-row sampling parameters (static: each step's rows are copied in)
     query_start: torch.Tensor  # [B+1] int32: row offsets, (K+1) apart
     q: torch.Tensor | None  # [B, K, V] fp32 the drafts' distributions (probabilistic drafting; None: argmax drafts)
+    state_slots: torch.Tensor  # [B] int64 a hybrid target's recurrent-state slot per request (padding: the sink)
 
     @classmethod
     def allocate(cls, B: int, K: int, width: int, vocab: int | None, device: torch.device) -> DecodeBuffers:
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         q = z(B, K, vocab, dtype=torch.float32) if vocab is not None and K > 0 else None
         return cls(z(B, K + 1), z(B), z(B, dtype=torch.bool), z(B, width), SamplingRows.allocate(B, device),
-                   torch.arange(B + 1, dtype=torch.int32, device=device) * (K + 1), q)
+                   torch.arange(B + 1, dtype=torch.int32, device=device) * (K + 1), q, z(B))
 
 
 @dataclass
@@ -187,6 +192,8 @@ class DecodeStep:
             "start": host_tensor(layout.start + [0] * pad),
             "valid": host_tensor([True] * n + [False] * pad, torch.bool), "block_tables": self._tables(seqs, B),
         }
+        if self.models.state is not None:
+            host["state_slots"] = host_tensor([s.state_slot for s in seqs] + [sink_slot(self.models.state)] * pad)
         for name, value in host.items():
             getattr(buf, name).copy_(value, non_blocking=True)
         if buf.q is not None and not rows.all_greedy:  # device to device: the q each sampled row's drafts came from
@@ -222,11 +229,15 @@ class DecodeStep:
         slots = torch.where(buf.valid[:, None], slot_mapping(buf.block_tables, pos, models.pool.block_size), -1)
         batch = PagedBatch(pos.flatten(), slots.flatten(), buf.query_start, (buf.start + K1).int(), buf.block_tables,
                            K1, None)
-        out = verify(models, buf.input_ids.flatten(), batch)
+        # a hybrid target: B sequences of K+1 rows, verify blocks when K > 0 (padding rows start fresh in the sink)
+        recurrent = None if models.state is None else RecurrentBatch.uniform(models.state, buf.state_slots, K1,
+                                                                              buf.start, keep=K1 > 1)
+        out = verify(models, buf.input_ids.flatten(), batch, recurrent=recurrent)
         chosen = sample_rows(out.logits, rows.repeat(K1), batch.positions + 1).view(B, K1)
         sampled = buf.q is not None and not rows.all_greedy
         acc = accept(self.acceptance, buf.input_ids[:, 1:], chosen, rows, buf.start, buf.q if sampled else None,
                      out.logits.view(B, K1, -1) if sampled else None)
+        commit_state(models, recurrent, acc.num_accepted)
         packed = torch.cat([acc.tokens, acc.num_accepted[:, None]], dim=1)
         if proposer is None:
             return packed, None

@@ -13,6 +13,7 @@ from blockspec.attention.backends import get_backend
 from blockspec.config import AUTO, OFF, EngineConfig
 from blockspec.engine.model_runner import ModelRunner, Pending
 from blockspec.engine.observer import StepObserver
+from blockspec.engine.recurrent import recurrent_state, without_prefix_caching
 from blockspec.engine.outputs import FinishReason, Record, RequestOutput, StepTrace
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, StepResult, check_prompt
@@ -21,6 +22,7 @@ from blockspec.engine.step_bench import DecodeStepBench, decode_step_bench
 from blockspec.errors import BlockspecError
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.kv.state_slots import StateSlots
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
@@ -40,13 +42,19 @@ def build_runner(lm: LoadedModel, proposer: Proposer | None, config: EngineConfi
     if blocks is None:
         tokens = min(config.kv_cache_tokens, config.max_num_seqs * max_model_len)
         blocks = max(2, -(-tokens // config.block_size))
-    target = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    K = proposer.num_draft_tokens if proposer is not None else 0
+    # a hybrid target's per-sequence state first: fixed by max_num_seqs and K, whatever the pool holds
+    state = recurrent_state(lm.model, config, K, param.dtype, param.device)
+    own_shape = getattr(lm.model, "kv_cache_shape", None)  # a target whose layers do not all keep K/V says so
+    target = own_shape() if callable(own_shape) else CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                cfg.head_dim)
     pool = KVPool(blocks, config.block_size, target, proposer.cache_shape if proposer else None, param.dtype,
                   param.device, proposer.cache_dtype if proposer else None)
     if proposer is not None:
         proposer.bind(pool)
     models = StepModels(lm.model, proposer, pool,
-                        get_backend(config.attention_backend, param.device, lm.batch_invariant, lm.row_invariant))
+                        get_backend(config.attention_backend, param.device, lm.batch_invariant, lm.row_invariant),
+                        state)
     return ModelRunner(models, acceptance, max_model_len, cfg.vocab_size, config)
 
 
@@ -69,15 +77,19 @@ class LLMEngine:
             config = replace(config, draft_len_schedule=schedule)
         elif config.draft_len_schedule == OFF:
             config = replace(config, draft_len_schedule=None)
-        self.config = config
         runner = build_runner(lm, proposer, config, acceptance or TargetAcceptance())
+        if runner.models.state is not None:
+            config = without_prefix_caching(config)
+        self.config = config
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
         self._local = runner  # this process's runner, for what the engine reports of it (under TP: rank 0's)
         self.models: StepModels = runner.models
         self.pool, self.max_model_len = runner.models.pool, runner.max_model_len
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size, config.enable_prefix_caching)
         self.K = proposer.num_draft_tokens if proposer is not None else 0
-        self.scheduler = Scheduler(self.blocks, config, self.K, self.max_model_len)
+        state = runner.models.state
+        self.scheduler = Scheduler(self.blocks, config, self.K, self.max_model_len,
+                                   StateSlots(state.num_slots - 1) if state is not None else None)  # the last: sink
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -132,8 +144,10 @@ class LLMEngine:
             self._aborted.append(seq)
 
     def limits(self) -> EngineLimits:
+        state = self.models.state
         return EngineLimits(self.lm.tokenizer, self.lm.config.vocab_size, self.max_model_len, self.pool.num_blocks,
-                            self.pool.num_blocks * self.pool.block_size, self.K)
+                            self.pool.num_blocks * self.pool.block_size, self.K,
+                            state.nbytes() if state is not None else 0)
 
     def stats(self) -> EngineStats:
         runner = self._local

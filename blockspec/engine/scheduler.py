@@ -8,6 +8,9 @@ cache) and it re-enters the waiting queue at the front, to be recomputed later w
 Each scheduled request also gets the number of drafts its step proposes for the step after (the draft length
 schedule's K at this batch size, clipped near the end of the context): every step proposes, on every path.
 
+A hybrid target's sequence also holds a recurrent-state slot (kv/state_slots.py) while it runs: taken on admission,
+given back when it finishes or is preempted (the recompute starts from position 0, from a zero state).
+
 Under overlap (engine/llm_engine.py) the scheduler also decides whether the step after an in-flight decode step can
 be enqueued before that step's tokens are read (chain): only when schedule() would give the same step."""
 
@@ -20,6 +23,7 @@ from blockspec.config import EngineConfig
 from blockspec.engine.outputs import FinishReason
 from blockspec.engine.sequence import Sequence, SeqStatus
 from blockspec.kv.block_manager import BlockManager
+from blockspec.kv.state_slots import StateSlots
 from blockspec.speculative.drafts import NO_DRAFTS
 
 
@@ -37,9 +41,11 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: EngineConfig, max_draft_len: int, max_model_len: int) -> None:
-        """max_draft_len: the proposer's K (0: plain decoding); the draft length schedule in config picks K <= it."""
-        self.blocks, self.config = blocks, config
+    def __init__(self, blocks: BlockManager, config: EngineConfig, max_draft_len: int, max_model_len: int,
+                 state_slots: StateSlots | None = None) -> None:
+        """max_draft_len: the proposer's K (0: plain decoding); the draft length schedule in config picks K <= it.
+        state_slots: a hybrid target's recurrent-state slots (None: the target keeps no state per sequence)."""
+        self.blocks, self.config, self.state_slots = blocks, config, state_slots
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.min_admit = min(config.min_admit, config.max_num_seqs)  # see EngineConfig.min_admit
@@ -54,9 +60,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self.state_slots.give_back(seq.state_slot)  # type: ignore[union-attr]
+            seq.state_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
+        self._release_slot(seq)
         seq.num_computed = seq.num_hashed = 0
         seq.drafts = NO_DRAFTS
         seq.status = SeqStatus.WAITING
@@ -110,6 +122,8 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.grow(seq.block_table, seq.num_computed + rows)
             seq.status = SeqStatus.RUNNING
+            if self.state_slots is not None:
+                seq.state_slot = self.state_slots.take()
             self.running.append(seq)
             out.append(ScheduledSeq(seq, rows, True))
             budget -= rows
@@ -155,6 +169,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.blocks.release(seq.block_table)
+        self._release_slot(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:

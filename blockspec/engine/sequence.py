@@ -40,6 +40,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens from position 0 whose target KV and draft context are in the pool
     num_hashed: int = 0  # leading blocks registered in the prefix cache
+    state_slot: int = -1  # a hybrid target's recurrent-state slot while running (kv/state_slots.py); -1: none
     drafts: Drafts = NO_DRAFTS  # proposals for the tokens after the bonus (the propose stage's record)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -20,6 +20,9 @@ class EngineLimits:
     num_kv_blocks: int
     kv_capacity: int  # tokens the KV pool holds (num_kv_blocks x block_size)
     max_draft_tokens: int  # K: the most drafts one step verifies per request (0: plain decoding)
+    # a hybrid target's recurrent state: max_num_seqs slots + the decode step's sink + the verify blocks' replay
+    # scratch, allocated with the engine beside the KV pool (0: a target without one)
+    recurrent_state_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,5 +38,8 @@ def decode_step_bench(step: DecodeStep, batch: int, K: int, context: int, vocab_
     buf.start.fill_(context)
     buf.valid.fill_(True)
     buf.block_tables[:, :per] = torch.arange(batch * per, device=step.device).view(batch, per)
+    state = step.models.state
+    if state is not None:  # a hybrid target: a state slot per request (the sink excluded)
+        buf.state_slots.copy_(torch.arange(batch, device=step.device) % max(1, state.num_slots - 1))
     rows = buf.sampling  # greedy rows (SamplingRows.allocate)
     return DecodeStepBench(lambda: step.replay(buf, rows, K, K), lambda: step.forward(buf, rows, K), batch, K, context)

@@ -104,6 +104,11 @@ class VarlenLayout:
     prefill_start: Span  # [F+R] the position of the firsts' and the resumed requests' bonus (their prompt's end)
     verify: list[VerifyGroup] = field(default_factory=list)
     propose: list[ProposeGroup] = field(default_factory=list)
+    # a hybrid target's recurrent state: the row offsets on the host (its grouping needs no device sync), which
+    # requests verify drafts (their rows' inputs are kept for the commit) and each request's state slot
+    row_starts: list[int] = field(default_factory=list)  # [B+1]
+    keep: list[bool] = field(default_factory=list)  # [B]
+    state_slots: Span | None = None  # [B]; None: the requests hold no state slots (a target without state)
 
 
 def _groups(keys: list[int | None]) -> dict[int, list[int]]:
@@ -184,7 +189,10 @@ class StepLayout:
             max(b - a for a, b in zip(query_start, query_start[1:])), max(kv_lens), pack.add(logit_rows),
             pack.add(sample_pos), pack.index(logit_request, B), SamplingRows.flags(logit_params, vocab_size),
             pack.add([first_logit[i] for i in firsts]), pack.add([scheduled[i].seq.bonus for i in resumed]),
-            pack.add([kv_lens[i] for i in firsts + resumed]))
+            pack.add([kv_lens[i] for i in firsts + resumed]), row_starts=query_start,
+            keep=[not s.is_prefill and s.k > 0 for s in scheduled])
+        if scheduled[0].seq.state_slot >= 0:
+            layout.state_slots = pack.add([s.seq.state_slot for s in scheduled])
         host_at, bonuses = len(firsts), len(firsts) + len(resumed)
         for K, idx in _groups([None if s.is_prefill else s.k for s in scheduled]).items():
             seqs = [scheduled[i].seq for i in idx]

@@ -8,13 +8,18 @@ strength beta_t in (0, 1), a key k_t and a query q_t (both l2-normed; q also sca
     S   <- S + k_t u_t^T                the delta-rule write
     o_t  = S^T q_t                      read after the write
 
-`recurrent_rule` runs that row after row: decode and verify rows, and it can hand back the state after every row (a
-verify block keeps them so that the engine commits the state after the accepted rows, exact rollback).
+A row with g_t = 0 and beta_t = 0 leaves S exactly as it is (S * exp(0) = S, and a zero write adds exact zeros):
+that is how a verify block's state is rolled back to its accepted rows (models/hybrid_state.py: the block is
+replayed with its rejected rows so neutralized, fixed shapes whatever was accepted).
+
+`recurrent_rule` runs the rule row after row: decode and verify rows, and the replay of a verify block.
 `chunked_rule` gives the same outputs and final state over blocks of C rows with matmuls (prefill); derivation at the
 function. Both compute in fp32 whatever the activations' dtype, and agree to fp32 rounding (tests/test_qwen3_5.py).
+`gated_delta_rule` is the one call the layer makes (q and k at the key heads, as fused kernels take them: fla-core's
+fused_recurrent / chunk gated-delta-rule kernels can take its place on the GPU).
 
-Shapes: a leading batch dim B (sequences computed together: same row count), then rows L, then heads H; q and k
-already repeated to the value heads (grouped value heads share a key head)."""
+Shapes: a leading batch dim B (sequences computed together: same row count), then rows L, then heads H; in the two
+reference forms q and k already repeated to the value heads (grouped value heads share a key head)."""
 
 from __future__ import annotations
 
@@ -28,14 +33,26 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, chunked: bool, outputs: bool = True
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """q, k [B, L, Hk, Dk] (l2-normed; q also scaled); v [B, L, Hv, Dv]; g, beta [B, L, Hv]; state [B, Hv, Dk, Dv]
+    (all fp32; state not modified); value heads h * r .. h * r + r - 1 read key head h (r = Hv / Hk).
+    -> (out [B, L, Hv, Dv] or None without outputs, final state [B, Hv, Dk, Dv])."""
+    r = v.shape[2] // k.shape[2]
+    if r > 1:
+        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    if chunked:
+        return chunked_rule(q, k, v, g, beta, state)
+    return recurrent_rule(q, k, v, g, beta, state, outputs)
+
+
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor, keep_rows: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   state: torch.Tensor, outputs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """q, k [B, L, H, Dk]; v [B, L, H, Dv]; g, beta [B, L, H]; state [B, H, Dk, Dv] (all fp32; state not modified).
-    -> (out [B, L, H, Dv], final state [B, H, Dk, Dv], with keep_rows the state after each row [B, L, H, Dk, Dv])."""
+    -> (out [B, L, H, Dv] or None without outputs (a replay wants the state only), final state [B, H, Dk, Dv])."""
     L = q.shape[1]
-    out = q.new_empty(*v.shape)
-    rows = q.new_empty(L, *state.shape) if keep_rows else None
+    out = q.new_empty(*v.shape) if outputs else None
     decay = g.exp()
     S = state
     for t in range(L):
@@ -44,10 +61,9 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         predicted = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # S^T k: [B, H, Dv]
         u = (v[:, t] - predicted) * beta[:, t, :, None]
         S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)  # outer product k u^T, exact
-        out[:, t] = (q[:, t].unsqueeze(-2) @ S).squeeze(-2)
-        if rows is not None:
-            rows[t] = S
-    return out, S, (rows.transpose(0, 1) if rows is not None else None)
+        if out is not None:
+            out[:, t] = (q[:, t].unsqueeze(-2) @ S).squeeze(-2)
+    return out, S
 
 
 def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -8,7 +8,8 @@
   checkpoints' multimodal rotary (mrope_section) gives every section the same position for text, i.e. plain RoPE;
 - a full-attention layer's K/V lives at its order among the full-attention layers (`num_kv_layers` pool layers), a
   linear layer's state at its order among the linear layers (`recurrent_shape()`);
-- forward takes `state`, the batch's RecurrentBatch (models/hybrid_state.py: slots, keep_rows and the engine's part).
+- forward takes `state`, the batch's RecurrentBatch (models/hybrid_state.py: slots, verify groups and the engine's
+  part); after a verify step `commit_state` rolls each verify block's state back to its accepted rows (a replay).
 
 Qwen3_5ForConditionalGeneration checkpoints (config.json's text_config, tensors under model.language_model.) load
 their language model; the vision tower and the multi-token-prediction head (mtp.*) are skipped."""
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from blockspec.errors import ModelLoadError
+from blockspec.kv.pool import CacheShape
 from blockspec.layers.gated_norm import OffsetRMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from blockspec.models.base import AttentionFn, ForwardOutput
@@ -179,9 +181,21 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         """Layers of K/V in the paged pool: the full-attention layers only."""
         return len(self.hybrid.kv_layers)
 
+    def kv_cache_shape(self) -> CacheShape:
+        """The target's K/V pool: the full-attention layers only."""
+        cfg = self.config
+        return CacheShape(self.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim)
+
     def recurrent_shape(self) -> RecurrentShape:
         """What each sequence's state slot holds (models/hybrid_state.RecurrentState allocates it)."""
         return self.hybrid.linear.state_shape(len(self.hybrid.linear_layers))
+
+    def commit_state(self, state: RecurrentBatch, accepted: torch.Tensor) -> None:
+        """After a forward with verify blocks: each block's slots in every linear layer <- the state after its
+        accepted rows (accepted [B] int64 per batch position: drafts accepted). On the device, no host sync."""
+        for layer in self.layers:
+            if layer.linear:
+                layer.linear_attn.commit(state, accepted)
 
     def shard_sizes(self, param: str) -> list[int]:
         if ".linear_attn.in_proj" in param:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from blockspec.attention.paged_ref import PagedBatch
+from blockspec.errors import ConfigError
 from blockspec.kv.pool import CacheShape
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.base import AttentionBase
@@ -35,6 +36,10 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, draft: LoadedModel, num_draft_tokens: int) -> None:
         cfg = draft.config
+        if callable(getattr(draft.model, "recurrent_shape", None)):
+            # its in-flight rows would need a recurrent state of their own, rolled back after every verify
+            raise ConfigError(f"{draft.source.name}: a hybrid model ({cfg.architecture}: linear-attention layers) is not "
+                              f"supported as a draft model; use a dense one or a DFlash drafter", field="draft_model")
         self.draft, self.model = draft, draft.model
         self.tap_layers, self.probabilistic = [], False
         self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)

@@ -6,7 +6,8 @@ the acceptance are the same for every method; a proposer supplies the two stages
   append_context(models, rows)   after acceptance: learn the committed rows (their target taps, tokens, slots)
   propose(models, batch)         the next K drafts of every request, from its new bonus token
 Both are device-only and shape-static given (B, K), so the decode step captures them inside its CUDA graph. Every stage
-runs on a StepModels record: the target, the proposer (None: plain decoding), the paged pool, the attention backend."""
+runs on a StepModels record: the target, the proposer (None: plain decoding), the paged pool, the attention backend,
+and a hybrid target's recurrent state (models/hybrid_state.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from blockspec.attention.backends import AttentionBackend
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.models.hybrid_state import RecurrentState
 from blockspec.sampling import SamplingRows
 
 
@@ -26,6 +28,7 @@ class StepModels:
     proposer: Proposer | None  # None: plain decoding
     pool: KVPool
     backend: AttentionBackend
+    state: RecurrentState | None = None  # a hybrid target's per-sequence state slots (None: the target keeps none)
 
     @property
     def tap_layers(self) -> list[int]:

@@ -3,6 +3,7 @@
   verify          the target over every row of the step, with the proposer's taps     -> VerifyStep
   accept          a batch of verify blocks through the policy (speculative/acceptance.py) -> Accepted
   commit_slots    the rows whose tokens were committed keep their slots, the rest get -1
+  commit_state    a hybrid target's verify blocks: the recurrent state after their accepted rows (a replay)
   append context  Proposer.append_context(models, CommittedRows)
   propose         Proposer.propose from each new bonus, sampled drafts drawn   -> (drafts, q)
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.attention.paged_ref import PagedBatch
+from blockspec.models.hybrid_state import RecurrentBatch
 from blockspec.sampling import SamplingRows
 from blockspec.speculative.acceptance import AcceptancePolicy, accept_block
 from blockspec.speculative.drafts import sample_drafts
@@ -28,13 +30,22 @@ class VerifyStep:
     taps: torch.Tensor | None  # [T, len(tap_layers) * H] at every row (None without a proposer that taps)
 
 
-def verify(models: StepModels, ids: torch.Tensor, batch: PagedBatch,
-           logit_rows: torch.Tensor | None = None) -> VerifyStep:
+def verify(models: StepModels, ids: torch.Tensor, batch: PagedBatch, logit_rows: torch.Tensor | None = None,
+           recurrent: RecurrentBatch | None = None) -> VerifyStep:
     """One target forward over the step's rows (prefill chunks and/or [bonus, d_1..d_K] blocks), writing their
-    target K/V at batch.slot_mapping."""
+    target K/V at batch.slot_mapping. recurrent: a hybrid target's state slots for these rows (its verify blocks
+    keep their rows' inputs and leave their slots for commit_state)."""
+    extra = {} if recurrent is None else {"state": recurrent}
     out = models.target(ids, batch.positions, models.backend.target(models.pool, batch), tap_layers=models.tap_layers,
-                        logit_rows=logit_rows)
+                        logit_rows=logit_rows, **extra)
     return VerifyStep(out.logits, out.taps)
+
+
+def commit_state(models: StepModels, recurrent: RecurrentBatch | None, num_accepted: torch.Tensor) -> None:
+    """After accept: each verify block's recurrent state <- the state after its bonus and its num_accepted [B]
+    accepted drafts (per sequence of the forward, in its order; entries of other sequences are not read)."""
+    if recurrent is not None and recurrent.keeps:
+        models.target.commit_state(recurrent, num_accepted)
 
 
 def slot_mapping(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
