@@ -52,6 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(default: 5 spread over the depth)")
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     g.add_argument("--mask-token-id", type=int, default=None, help="default: the last vocabulary id")
+    g.add_argument("--sliding-window", type=int, default=None, metavar="W", help="every draft layer but the last "
+                   "attends causally over the W latest positions only (as z-lab's Qwen3.6 / Gemma 4 drafters)")
     add_config_flags(g, DraftArch)
     t = p.add_argument_group("training")
     add_config_flags(t, TrainConfig, skip=_EVAL_FIELDS)
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise BlockspecError(f"--eval-num-prompts must be >= 0, got {args.eval_num_prompts}")
     shape_flags = {"--draft-block-size": args.draft_block_size,
                    "--target-layer-ids": args.target_layer_ids, "--intermediate-size": args.intermediate_size,
-                   "--mask-token-id": args.mask_token_id}
+                   "--mask-token-id": args.mask_token_id, "--sliding-window": args.sliding_window}
     if args.init is not None and any(v is not None for v in shape_flags.values()):
         given = [k for k, v in shape_flags.items() if v is not None]
         raise BlockspecError(f"{', '.join(given)} cannot be combined with --init (the drafter's shape comes from "
@@ -213,7 +215,8 @@ def _draft_and_data(lm: LoadedModel, args: argparse.Namespace, cfg: TrainConfig,
         shape = DraftShape(**{k: v for k, v in {
             "num_layers": args.draft_layers, "block_size": args.draft_block_size,
             "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size,
-            "mask_token_id": args.mask_token_id, "dflash2": dflash2}.items() if v is not None})
+            "mask_token_id": args.mask_token_id, "dflash2": dflash2,
+            "sliding_window": args.sliding_window}.items() if v is not None})
         setup = new_draft(lm, shape, args.seed, device)
     return setup, prepare(seqs, cfg, " + ".join(map(str, data_dirs)))
 

@@ -68,21 +68,38 @@ class FlexState:
 
 
 class PackedCausalAttention(AttentionBase):
-    """AttentionFn of the frozen target over whole packed sequences: causal inside each sequence, nothing across."""
+    """AttentionFn of the frozen target over whole packed sequences: causal inside each sequence, nothing across; per
+    call what the layer asks, with the paged attention's keywords (attention/paged_ref.py): `window` W (keys in
+    (p - W, p] only), `sinks` [Hq] (learned attention sinks), and k = v = None (a layer reading an earlier layer's
+    K/V: `shared` names the layers whose K/V are kept for that, train/target_pass.shared_kv_layers). FlexAttention
+    takes the plain causal layers; a windowed or sink layer runs the exact per-sequence SDPA path (its masks built
+    once per micro-batch and window), padding rows left zero."""
 
-    def __init__(self, mb: MicroBatch, flex: FlexState | None = None, block_mask=None) -> None:
-        self.mb, self.flex, self.block_mask = mb, flex, block_mask
-        if flex is None:
-            bounds = torch.tensor([0] + mb.seq_lens).cumsum(0).tolist()
-            self.spans = list(zip(bounds, bounds[1:]))
-            self.masks = [build_mask(mb.positions[a:b], mb.positions[a:b], causal=True) for a, b in self.spans]
+    def __init__(self, mb: MicroBatch, flex: FlexState | None = None, block_mask=None,
+                 shared: frozenset[int] = frozenset()) -> None:
+        self.mb, self.flex, self.block_mask, self.shared = mb, flex, block_mask, shared
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        bounds = torch.tensor([0] + mb.seq_lens).cumsum(0).tolist()
+        self.spans = list(zip(bounds, bounds[1:]))
+        self._masks: dict[int | None, list[torch.Tensor]] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.flex is not None:
+    def masks(self, window: int | None = None) -> list[torch.Tensor]:
+        if window not in self._masks:
+            pos = self.mb.positions
+            self._masks[window] = [build_mask(pos[a:b], pos[a:b], True, window) for a, b in self.spans]
+        return self._masks[window]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if k is None or v is None:
+            k, v = self.kept[layer]
+        elif layer in self.shared:
+            self.kept[layer] = (k, v)
+        if self.flex is not None and window is None and sinks is None:
             return self.flex.attend(q, k, v, self.block_mask, scale)
-        out = torch.empty_like(q)
-        for (a, b), mask in zip(self.spans, self.masks):
-            out[a:b] = attend(q[a:b], k[a:b], v[a:b], mask, scale)
+        out = torch.zeros_like(q)  # padding rows: finite (their keys are masked, but NaN * 0 is NaN)
+        for (a, b), mask in zip(self.spans, self.masks(window)):
+            out[a:b] = attend(q[a:b], k[a:b], v[a:b], mask, scale, sinks)
         return out
 
 

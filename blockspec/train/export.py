@@ -15,33 +15,46 @@ from blockspec.models.config import ModelConfig
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from blockspec.models.dflash_config import DFlashConfig, default_target_layer_ids
+from blockspec.train.target_traits import draft_traits
 
 DFLASH2 = "DFlash2DraftModel"
 
 
 def draft_config_dict(target: ModelConfig, num_layers: int, block_size: int, mask_token_id: int,
                       target_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
-                      dflash2: dict[str, int] | None = None) -> dict[str, Any]:
-    """A z-lab style config.json for a drafter of `target` (attention shape copied from the target); dflash2: the
-    DFlash 2 fields (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) for a DFlash 2 drafter."""
+                      dflash2: dict[str, int] | None = None, sliding_window: int | None = None) -> dict[str, Any]:
+    """A z-lab style config.json for a drafter of `target` (attention shape copied from the target, the rest from
+    train/target_traits.py); dflash2: the DFlash 2 fields (conv_kernel_size, conv_group_size, selector_rank,
+    selector_top_k) for a DFlash 2 drafter. target_layer_ids index all of the target's layers (a hybrid's linear
+    layers too). sliding_window W: every layer but the last causal over the W latest positions (z-lab's Qwen3.6
+    drafters' pattern: long contexts cost the drafter W keys a layer, the last layer still sees them all)."""
     ids = target_layer_ids if target_layer_ids is not None else \
         default_target_layer_ids(target.num_hidden_layers, 5 if target.num_hidden_layers >= 8 else 1)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": target.rope_theta}
-    if target.rope_scaling:
-        rope = {**target.rope_scaling, "rope_theta": target.rope_theta}
+    traits = draft_traits(target)
+    sliding = ["sliding_attention"] * max(num_layers - 1, 1) if sliding_window is not None else []
     return {
         "architectures": [DFLASH2 if dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": target.hidden_size, "intermediate_size": intermediate_size or target.intermediate_size,
+        "hidden_size": target.hidden_size, "intermediate_size": intermediate_size or traits.intermediate_size,
         "num_hidden_layers": num_layers, "num_attention_heads": target.num_attention_heads,
         "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
-        "rms_norm_eps": target.rms_norm_eps, "rope_parameters": rope,
+        "rms_norm_eps": target.rms_norm_eps, "rope_parameters": traits.rope,
         "max_position_embeddings": target.max_position_embeddings, "attention_bias": False,
-        "layer_types": ["full_attention"] * num_layers, "sliding_window": None,
+        "layer_types": sliding + ["full_attention"] * (num_layers - len(sliding)), "sliding_window": sliding_window,
         "vocab_size": target.vocab_size, "block_size": block_size, "num_target_layers": target.num_hidden_layers,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids, "block_size": block_size,
-                          **(dflash2 or {})},
+                          **traits.dflash_extra, **(dflash2 or {})},
         "dtype": "bfloat16", "tie_word_embeddings": False,
     }
+
+
+def zlab_readable(config: dict[str, Any]) -> dict[str, Any]:
+    """config with `use_sliding_window` saying what its layers do: true where a sliding layer has a window, so that
+    transformers' Qwen3Config (the z-lab package's) keeps it (models/dflash_config.py); as it is otherwise."""
+    types = config.get("layer_types") or []
+    window = (config.get("dflash_config") or {}).get("sliding_window", config.get("sliding_window"))
+    if "sliding_attention" in types and window is not None:
+        return dict(config, use_sliding_window=True, sliding_window=window)
+    return config
 
 
 def hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
@@ -67,7 +80,7 @@ def save_draft(model: DFlashDraftModel, config: dict[str, Any], out_dir: str | P
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype).cpu() for k, v in hf_state_dict(model).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = dict(config, dtype=str(dtype).replace("torch.", ""))
+    cfg = dict(zlab_readable(config), dtype=str(dtype).replace("torch.", ""))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 

@@ -20,6 +20,7 @@ from blockspec.train.batches import Capacity, MicroBatch
 from blockspec.train.compiled_draft import CompiledDraftPass
 from blockspec.train.loss import BlockLoss
 from blockspec.train.selector_loss import selector_loss
+from blockspec.train.target_pass import shared_kv_layers, state_kwargs
 from blockspec.train.walk import visited_blocks
 
 
@@ -50,6 +51,7 @@ class TrainingForward:
         self.walk_weight, self.prefix_weight = walk_weight, prefix_weight
         self.opening_weight, self.opening_tokens = opening_weight, opening_tokens
         target.requires_grad_(False)
+        self.shared_kv = shared_kv_layers(target)
         self.device = target.embed_tokens.weight.device
         cuda = self.device.type == "cuda"
         # bf16 autocast on CUDA (fp32 master weights); exact fp32 on CPU
@@ -69,8 +71,9 @@ class TrainingForward:
         """([T, num_taps * H] the target's residual streams after the tapped layers, [T, H] its final-normed hidden
         states), every position."""
         no_logits = torch.zeros(0, dtype=torch.long, device=self.device)
-        out = self.target(mb.input_ids, mb.positions, PackedCausalAttention(mb, self.flex, block_mask),
-                          tap_layers=self.tap_layers, logit_rows=no_logits)
+        attn = PackedCausalAttention(mb, self.flex, block_mask, self.shared_kv)
+        out = self.target(mb.input_ids, mb.positions, attn, tap_layers=self.tap_layers, logit_rows=no_logits,
+                          **state_kwargs(self.target, mb))
         return out.taps, out.hidden
 
     def target_only(self, mb: MicroBatch) -> None:

@@ -29,6 +29,7 @@ class DraftShape:
     intermediate_size: int | None = None
     mask_token_id: int | None = None
     dflash2: dict[str, int] | None = None  # a DFlash 2 drafter with these fields (train.config.DraftArch)
+    sliding_window: int | None = None  # every layer but the last causal over this window (export.draft_config_dict)
 
 
 def new_draft(lm: LoadedModel, shape: DraftShape, seed: int, device: torch.device) -> DraftSetup:
@@ -40,9 +41,11 @@ def new_draft(lm: LoadedModel, shape: DraftShape, seed: int, device: torch.devic
         raise BlockspecError(f"--draft-block-size={shape.block_size} must be >= 2 (slot 0 holds the given token)")
     if shape.intermediate_size is not None and shape.intermediate_size < 1:
         raise BlockspecError(f"--intermediate-size={shape.intermediate_size} must be >= 1")
+    if shape.sliding_window is not None and shape.sliding_window < 1:
+        raise BlockspecError(f"--sliding-window={shape.sliding_window} must be >= 1")
     mask = shape.mask_token_id if shape.mask_token_id is not None else lm.config.vocab_size - 1
     cfg = draft_config_dict(lm.config, shape.num_layers, shape.block_size, mask, shape.target_layer_ids,
-                            shape.intermediate_size, shape.dflash2)
+                            shape.intermediate_size, shape.dflash2, shape.sliding_window)
     dcfg = (DFlash2Config if shape.dflash2 else DFlashConfig).from_hf(cfg, "train-draft")
     spec = resolve_spec(SpeculativeConfig(draft_model="train-draft"), dcfg, lm.config, "train-draft")
     return DraftSetup(random_draft(cfg, seed).to(device), cfg, spec.target_layer_ids, spec.mask_token_id)
