@@ -35,15 +35,18 @@ class TritonTargetAttention(_TritonPaged, AttentionBase):
         """Where this layer's new k/v rows go, for a model prologue that stores them itself (one launch less)."""
         return self.pool.k[layer], self.pool.v[layer], self.batch.slot_mapping
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                 scale: float) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """As the reference's (paged_ref.PagedTargetAttention): `window` for a sliding-window layer, `sinks` [Hq]
+        for learned attention sinks (gpt-oss); k = v = None stores nothing (written by the prologue already, or a
+        layer reading the cache of the layer it shares K/V with: Gemma 4)."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         b = self.batch
-        if k is not None and v is not None:  # None: the prologue already wrote them (kv_destination)
+        if k is not None and v is not None:
             self.ops.store_kv(k, v, kc, vc, b.slot_mapping)
         return self.ops.paged_attention(q, kc, vc, b.positions, b.query_start, b.kv_lens, b.block_tables,
-                                        self.pool.block_size, scale, b.max_q_len, causal=True, max_kv_len=b.max_kv_len,
-                                        batch_invariant=self.batch_invariant)
+                                        self.pool.block_size, scale, b.max_q_len, causal=True, window=window,
+                                        max_kv_len=b.max_kv_len, batch_invariant=self.batch_invariant, sinks=sinks)
 
 
 class InvariantTargetAttention(TritonTargetAttention):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.kv.pool import CacheShape
 from blockspec.layers import kernels
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
@@ -154,6 +155,13 @@ class DecoderForCausalLM(nn.Module):
     def make_layer(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         """Decoder layer `layer_idx`: forward(h, delta, cos, sin, attn) -> (h, output, h_in), as DecoderLayer's."""
         return DecoderLayer(cfg, layer_idx, self.traits)
+
+    def kv_cache_shape(self) -> CacheShape:
+        """The target's K/V pool: one cache per layer, rows of the config's K/V heads x head size. What the engine
+        sizes its pool by; a family whose layers do not all keep K/V of one shape answers for itself (Gemma 4:
+        layers sharing K/V, head shapes padded to the widest; Qwen3.5: full-attention layers only)."""
+        cfg = self.config
+        return CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
 
     def shard_sizes(self, param: str) -> list[int]:
         """Row sizes of the shards packed into a fused parameter (for the loader)."""
