@@ -112,6 +112,41 @@ def our_steps(draft: LoadedDraft, lm: LoadedModel, seq: torch.Tensor, steps: lis
     return out
 
 
+def check_flex_equals_sdpa(lm: LoadedModel, device: torch.device, compiled: bool) -> None:
+    """The trainer's padded FlexAttention pass (the target's windowed / sink layers on the exact SDPA path, a
+    hybrid's recurrent layers over a fresh slot per sequence and one for the padding, K/V kept for layers sharing
+    it) == its per-sequence SDPA pass over the same sequences: taps (fp32) and loss (bf16 autocast on CUDA)."""
+    from blockspec.data.shards import TokenSequence
+    from blockspec.train.anchors import slot_weights
+    from blockspec.train.batches import Capacity, build_micro_batch, generator
+    from blockspec.train.forward import TrainingForward
+    from blockspec.train.setup import DraftShape, new_draft
+
+    ids = [0, 1, lm.config.num_hidden_layers - 1]
+    shape = DraftShape(num_layers=2, block_size=4, target_layer_ids=ids, intermediate_size=32, mask_token_id=MASK,
+                       sliding_window=5)
+    draft = new_draft(lm, shape, 0, device).model
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(5):
+        n = int(torch.randint(20, 60, (1,), generator=g))
+        seqs.append(TokenSequence(torch.randint(0, MASK, (n,), generator=g), torch.arange(n) >= 4))
+    cap_p, cap_u = Capacity(384, 48, 4, True), Capacity(384, 48, 4, False)
+    padded, plain = [build_micro_batch(seqs, cap, 8, MASK, slot_weights(4, 4.0), generator(0)).to(device)
+                     for cap in (cap_p, cap_u)]
+    flex = TrainingForward(lm.model, draft, ids, cap_p, "flex", compiled=compiled)
+    sdpa = TrainingForward(lm.model, draft, ids, cap_u, "sdpa", compiled=False)
+    with torch.no_grad():
+        assert flex.flex is not None
+        t_mask, _ = flex.flex.load(padded)
+        taps_p = flex.taps(padded, t_mask)
+        taps_s = sdpa.taps(plain)
+        assert torch.isfinite(taps_p).all()  # the padding rows too: they feed masked keys
+        assert (taps_p[: plain.num_tokens] - taps_s).abs().max() <= 1e-3 * taps_s.abs().max()
+        lf, ls = flex(padded).loss_sum.item(), sdpa(plain).loss_sum.item()
+    assert abs(lf - ls) <= 0.01 * abs(ls), (lf, ls)
+
+
 def assert_same_drafts(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float = 1e-4) -> None:
     """Each step's logits within `tol` of the reference's largest magnitude."""
     assert len(ours) == len(ref)

@@ -24,8 +24,8 @@ from blockspec.errors import BlockspecError
 from blockspec.loading.draft_loader import load_draft
 from blockspec.models.dflash_config import QWEN3_DEFAULT_WINDOW, DFlashConfig, DraftConfigError
 from dflash_utils import make_zlab_draft
-from drafter_targets import (FULL, MASK, SLIDE, VOCAB, assert_same_drafts, make_target, our_steps, steps_over,
-                             zlab_steps)
+from drafter_targets import (FULL, MASK, SLIDE, VOCAB, assert_same_drafts, check_flex_equals_sdpa, make_target,
+                             our_steps, steps_over, zlab_steps)
 
 zm = pytest.importorskip("dflash.model")
 
@@ -75,6 +75,40 @@ def test_drafter_equals_the_zlab_package_step_by_step(targets, tmp_path, family,
     seq = sequence()
     steps = steps_over(seq, ENDS)
     assert_same_drafts(our_steps(draft, lm, seq, steps, BLOCK), zlab_steps(zd, hf, seq, steps, BLOCK))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "gpt_oss", "gemma4"])
+def test_the_engine_drafts_what_the_zlab_package_drafts(targets, tmp_path, family):
+    """Greedy DFlash through the batched engine with a sliding drafter: every step's drafts (the engine's trace) are
+    the argmax of the z-lab drafter's logits at that step's context (it drafts from transformers' hidden states)."""
+    from blockspec.config import EngineConfig
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    from drafter_targets import Step
+
+    root, hf, lm = targets(family)
+    zd = make_zlab_draft(hf.config, tmp_path / "d", block_size=BLOCK, mask_token_id=MASK, scale=3.0,
+                         **VARIANTS["sliding"])
+    draft = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), lm)
+    prompt = [5, 17, 99, 3, 42, 8, 1, 9, 60]
+    out = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1)).generate(
+        [prompt], SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    seq = torch.tensor(prompt + out.token_ids)
+    full = [s for s in out.steps if len(s.draft) == BLOCK - 1]  # near max_tokens the engine drafts fewer
+    assert len(full) >= 15
+    ref = zlab_steps(zd, hf, seq, [Step(s.position, int(seq[s.position])) for s in full], BLOCK)
+    assert [s.draft for s in full] == [r.argmax(-1).tolist() for r in ref]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss", "gemma4"])
+def test_padded_flex_training_pass_equals_sdpa(targets, family):
+    """The trainer's CUDA attention path, eager on the CPU (tests/test_drafters_new_targets_gpu.py runs it compiled
+    on CUDA)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention warns that it is not compiled
+        check_flex_equals_sdpa(targets(family)[2], torch.device("cpu"), compiled=False)
 
 
 def zlab_attention(cfg: dict) -> list[tuple[bool, int | None]]:
@@ -237,11 +271,15 @@ def test_init_draft_and_train_draft_on_the_family(targets, tmp_path, family):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert_zlab_drafts_like_ours(lm, hf, tuned)
     fresh = tmp_path / "fresh"  # a new drafter tapping a linear / sliding layer and the last, windowed layers
+    prompts = tmp_path / "eval.jsonl"  # and the engine's evaluation at the end, speculating on this target
+    prompts.write_text('{"prompt_ids": [3, 4, 5]}\n{"prompt_ids": [7, 8]}\n')
+    evaluated = [*TRAIN[:2], "--eval-num-prompts", "2", "--eval-prompts", str(prompts), "--eval-max-tokens", "6",
+                 *TRAIN[4:]]
     assert main(["train-draft", "--target", str(root), "--data", str(data), "--out", str(fresh), "--draft-layers",
                  "3", "--draft-block-size", "4", "--target-layer-ids", "0,3", "--intermediate-size", "32",
-                 "--sliding-window", "4", *TRAIN]) == 0
+                 "--sliding-window", "4", *evaluated]) == 0
     report = json.loads((fresh / "train_report.json").read_text())
-    assert report["steps"] == 2
+    assert report["steps"] == 2 and report["evals"][0]["generated_tokens"] == 12 and report["tau"] >= 1.0
     assert json.loads((fresh / "config.json").read_text())["layer_types"] == [SLIDE, SLIDE, FULL]
     assert_zlab_drafts_like_ours(lm, hf, fresh)
 
