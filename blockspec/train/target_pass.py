@@ -2,10 +2,11 @@
 what the plain causal pass needs besides attention masks.
 
 - Hybrid targets (Qwen3.5 / Qwen3.6: Gated DeltaNet layers beside full attention, models/hybrid_state.py) keep a
-  recurrent state per sequence; the packed rows are several sequences, so the forward gets a RecurrentBatch that
-  gives each its own fresh slot (the padding rows of a padded micro-batch one more slot, finite and unused). Every
-  sequence starts at position 0, so nothing is read from a slot before it is written: the taps are exactly those of
-  each sequence run alone.
+  recurrent state per sequence; the packed rows are several sequences (the padding rows of a padded micro-batch one
+  more), so the forward gets a RecurrentBatch that marks each sequence as its own fresh run. Every sequence starts at
+  position 0, so each starts from zeros and no state is ever read back: they all write into ONE sink slot (a state
+  slot of a real model is tens of MiB; one per sequence of a micro-batch would cost GiB for nothing), and the taps
+  are exactly those of each sequence run alone.
 - Layers that read an earlier layer's K/V instead of computing their own (Gemma 4's KV sharing) need that K/V kept
   through the forward: `shared_kv_layers` names the cache indices they read, and PackedCausalAttention keeps those.
 - Sliding windows and attention sinks (gpt-oss, Gemma 4) are asked by the layers per call (train/attention.py)."""
@@ -33,8 +34,8 @@ def shared_kv_layers(target: nn.Module) -> frozenset[int]:
 
 
 def recurrent_batch(target: nn.Module, mb: MicroBatch) -> RecurrentBatch | None:
-    """A hybrid target's RecurrentBatch for `mb`: one fresh state slot per sequence, and one for all padding rows
-    together (their positions are 0: a fresh run); None for a target without recurrent layers."""
+    """A hybrid target's RecurrentBatch for `mb`: every sequence (and all padding rows together: their positions are
+    0) a fresh run writing into the one sink slot; None for a target without recurrent layers."""
     shape_of = getattr(target, "recurrent_shape", None)
     if shape_of is None:
         return None
@@ -44,8 +45,9 @@ def recurrent_batch(target: nn.Module, mb: MicroBatch) -> RecurrentBatch | None:
         lens.append(pad)
     dev = mb.input_ids.device
     starts = torch.tensor([0, *lens]).cumsum(0)
-    state = RecurrentState(shape_of(), len(lens), target.embed_tokens.weight.dtype, dev)
-    return RecurrentBatch.build(state, torch.arange(len(lens), device=dev), starts.to(device=dev, dtype=torch.int32),
+    state = RecurrentState(shape_of(), 1, target.embed_tokens.weight.dtype, dev)
+    sink = torch.zeros(len(lens), dtype=torch.long, device=dev)
+    return RecurrentBatch.build(state, sink, starts.to(device=dev, dtype=torch.int32),
                                 mb.positions, host_query_start=starts.tolist())
 
 
