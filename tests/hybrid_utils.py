@@ -178,3 +178,108 @@ def assert_matches_transformers(model, hf, rtol: float = 1e-4) -> None:
             want = ref.hidden_states[i + 1][0]
             err = (taps[:, i * H:(i + 1) * H] - want).abs().max().item()
             assert err <= rtol * want.abs().max().item(), (len(p), i, err)
+
+
+# ---- engine tests: a plain decoding oracle and trained hybrid pairs ---------------------------------------------
+
+_plain_memo: dict = {}
+
+
+def plain_generate(lm, prompt: Sequence[int], params) -> tuple[list[int], str]:
+    """(token ids, finish reason) of plain single-request decoding of a hybrid target at the model level (no engine):
+    the prompt in one forward, then one row a step over the paged pool and one state slot, each token the target's
+    own sample at its position (argmax when greedy), the engine's stop and length rules. Memoized."""
+    from blockspec.sampling import sample
+
+    key = (id(lm), tuple(prompt), repr(params))
+    if key in _plain_memo:
+        return _plain_memo[key]
+    max_new = min(params.max_tokens, lm.config.max_position_embeddings - len(prompt))
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(lm.stop_token_ids))
+    runner = PagedRunner(lm.model, 1, len(prompt) + max_new)
+    seed = params.resolve_seed()
+    out, _ = runner.forward([(0, list(prompt))])
+    logits, tokens, reason = out.logits[-1:], [], "length"
+    for i in range(max_new):
+        t = int(sample(logits, params, seed, torch.tensor([len(prompt) + i]))[0])
+        tokens.append(t)
+        if t in stops:
+            reason = "stop"
+            break
+        if i + 1 < max_new:
+            logits = runner.forward([(0, [t])])[0].logits
+    _plain_memo[key] = (tokens, reason)
+    return tokens, reason
+
+
+LIN, FULL = "linear_attention", "full_attention"
+# Cycles whose every other token is the same (40, or 41): what follows it is the token two back plus one, so the
+# target must carry its context through the conv window and the recurrent state (tests/trained_pair.py's cycles are a
+# bigram each: a target trained on them predicts well whatever its state holds, and would hide a wrong rollback)
+CYCLE_C = [t for i in range(10, 20) for t in (i, 40)]
+CYCLE_D = [t for i in range(20, 30) for t in (i, 41)]
+
+
+@dataclass
+class HybridPair:
+    """A tiny hybrid target trained on CYCLE_C / CYCLE_D, and drafters of it that draft well."""
+
+    lm: Any  # the target (layers: linear, full, linear)
+    draft: Any  # a DFlash drafter trained on its taps of layers 0 (linear) and 1 (full attention)
+    draft2: Any  # that drafter's weights as a DFlash 2 drafter (convolutions near the identity, a strong selector)
+    draft_model: Any  # a dense tiny llama trained on the same cycles: a classic draft model for the target
+
+
+_PAIRS: dict[bool, HybridPair] = {}
+
+
+def trained_hybrid_pair(moe: bool) -> HybridPair:
+    """Built once per process and kind (a few seconds each; callers must not modify the models): the target learns
+    CYCLE_C / CYCLE_D (trained_pair.train_target, its cycles swapped for these meanwhile), a random z-lab drafter is
+    trained on its taps (trained_pair.train_draft) and copied into a DFlash 2 checkpoint as
+    tests/test_dflash2_reference.py does, and a dense llama learns the cycles as a draft model."""
+    if moe in _PAIRS:
+        return _PAIRS[moe]
+    import atexit
+    import shutil
+    import tempfile
+
+    import trained_pair as tp
+    from blockspec.config import SpeculativeConfig
+    from blockspec.loading.draft_loader import load_draft
+    from blockspec.loading.loader import LoadConfig, load_model
+    from blockspec.train.export import hf_state_dict
+    from dflash_utils import make_zlab_draft, make_zlab_draft2
+    from hf_utils import make_hf_model, save_hf_model
+
+    root = Path(tempfile.mkdtemp(prefix="blockspec_hybrid_pair_"))
+    atexit.register(shutil.rmtree, root, True)
+    cpu = LoadConfig(device="cpu", with_tokenizer=False)
+    old, cycles = torch.get_num_threads(), tp.CYCLES
+    torch.set_num_threads(1)  # tiny matmuls: extra threads only add synchronisation cost
+    tp.CYCLES = [CYCLE_C, CYCLE_D]  # what train_target and train_draft read
+    try:
+        hf = make_hf(2 if moe else 0, moe=moe, vocab_size=tp.VOCAB, num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+                     max_position_embeddings=tp.MAX_POSITIONS)
+        tp.train_target(hf)
+        save(hf, root / "target")
+        make_zlab_draft(hf.config, root / "draft", layers=1, block_size=tp.BLOCK, target_layer_ids=tp.TAPS,
+                        mask_token_id=tp.MASK, seed=0)
+        lm = load_model(str(root / "target"), cpu)
+        draft = load_draft(SpeculativeConfig(draft_model=str(root / "draft")), lm)
+        tp.train_draft(lm, draft)
+        make_zlab_draft2(hf.config, root / "draft2", layers=1, block_size=tp.BLOCK, target_layer_ids=tp.TAPS,
+                         mask_token_id=tp.MASK, conv_group_size=8, selector_rank=8, selector_top_k=4,
+                         codebook_scale=2.5, conv_noise=0.1, init=hf_state_dict(draft.model))
+        draft2 = load_draft(SpeculativeConfig(draft_model=str(root / "draft2")), lm)
+        dense = make_hf_model("llama", seed=1, vocab_size=tp.VOCAB, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=tp.MAX_POSITIONS)
+        tp.train_target(dense)
+        save_hf_model(dense, root / "draft_model")
+        draft_model = load_model(str(root / "draft_model"), cpu)
+    finally:
+        torch.set_num_threads(old)
+        tp.CYCLES = cycles
+    _PAIRS[moe] = HybridPair(lm, draft, draft2, draft_model)
+    return _PAIRS[moe]
