@@ -11,7 +11,8 @@ the CPU: per-sequence recurrent state slots beside the paged KV, verify blocks r
   state in each request's slot equal those of plain decoding of the same committed tokens (within 1e-6).
 - Sampled speculative decoding on a hybrid target passes tests/test_spec_sampling.py's distribution test.
 - Plain decoding through `blockspec generate` and LLM(...); prefix caching off for hybrids in one stderr line; a
-  hybrid draft model and tensor parallelism on a hybrid target refused in one line."""
+  hybrid draft model and tensor parallelism on a hybrid target refused in one line.
+- On a GPU (skipped without one): the captured decode step == eager == the CPU engine, plain, DFlash and n-gram."""
 
 from __future__ import annotations
 
@@ -43,15 +44,6 @@ from stats_utils import assert_fits
 from trained_pair import cycle_seq
 
 CPU = LoadConfig(device="cpu", with_tokenizer=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny matmuls: a second thread only adds synchronisation (and much of it on a busy machine)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -316,3 +308,30 @@ def test_layer_pattern_of_its_own(tmp_path):
         llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=3, block_size=4, step_path=path))
         outs = SlotRun(llm).run(prompts, sp, stagger=1)
         assert [o.token_ids for o in outs] == [plain_generate(lm, p, sp)[0] for p in prompts], path
+
+
+# ---- CUDA: the hybrid step inside the captured decode step ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["plain", "dflash", "ngram"])
+def test_gpu_captured_equals_eager_equals_cpu(method):
+    """The trained dense pair in fp32 on CUDA (torch reference of the delta rule, Triton attention): tokens of the
+    captured decode step (its warm-up must not advance the state twice) == enforce_eager == the CPU engine."""
+    pair = trained_hybrid_pair(False)
+    gpu = load_model(str(pair.lm.source.path), LoadConfig(device="cuda", dtype="float32", with_tokenizer=False))
+
+    def make(lm):
+        if method == "dflash":
+            return load_draft(SpeculativeConfig(draft_model=str(pair.draft.source)), lm)
+        return NgramProposer(7, 3) if method == "ngram" else None
+
+    prompts, params = workload(10, seed=2)
+    runs = {}
+    for name, lm, extra in (("cpu", pair.lm, {}), ("captured", gpu, {}), ("eager", gpu, dict(enforce_eager=True))):
+        llm = LLM.from_loaded(lm, make(lm), engine=EngineConfig(max_num_seqs=8, block_size=8, **extra))
+        runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if name == "captured":
+            assert llm.engine.stats().cuda_graphs and llm.engine.stats().num_overlapped_steps > 0
+    assert runs["captured"] == runs["eager"] == runs["cpu"]
+    assert runs["cpu"] == [plain_generate(pair.lm, p, sp)[0] for p, sp in zip(prompts, params)]

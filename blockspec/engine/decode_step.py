@@ -207,12 +207,17 @@ class DecodeStep:
         key = (buf.input_ids.shape[0], K, next_k, *rows.mode)
         if key not in self.graphs:
             # Warm up on a side stream (Triton compiles its kernels here), then capture. The warm-up runs the real
-            # step on the real inputs; its KV writes are exactly the ones the replay makes.
+            # step on the real inputs; its KV writes are exactly the ones the replay makes. A hybrid target's state
+            # is not: a step reads the slots it writes, so the batch's slots are put back before the replay runs.
+            state = self.models.state
+            saved = state.save(buf.state_slots) if state is not None else None
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.forward(buf, rows, next_k)
             torch.cuda.current_stream().wait_stream(stream)
+            if saved is not None:
+                state.restore(buf.state_slots, saved)  # type: ignore[union-attr]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 outputs = self.forward(buf, rows, next_k)

@@ -87,6 +87,14 @@ class RecurrentState:
         self.conv[:, dst] = self.conv[:, src]
         self.ssm[:, dst] = self.ssm[:, src]
 
+    def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of slots [N]'s conv windows and states (put back with restore)."""
+        return self.conv[:, slots], self.ssm[:, slots]  # advanced indexing: copies
+
+    def restore(self, slots: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.conv[:, slots] = saved[0]
+        self.ssm[:, slots] = saved[1]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.conv, self.ssm, self.x_rows, self.g_rows, self.beta_rows))
