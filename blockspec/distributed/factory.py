@@ -18,6 +18,7 @@ from blockspec.distributed.worker import ModelSpec
 from blockspec.engine.calibrate import Calibration, auto_schedule
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.errors import ConfigError
+from blockspec.loading.capabilities import sharding_refusal
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.speculative.acceptance import AcceptancePolicy
@@ -44,6 +45,9 @@ def make_engine(lm: LoadedModel, draft: Proposer | LoadedDraft | None, config: E
         if callable(getattr(lm.model, "recurrent_shape", None)):  # before any rank shards its layers
             raise ConfigError("tensor parallelism does not support hybrid targets (linear-attention layers) yet",
                               field="tensor_parallel_size")
+        why = sharding_refusal(lm.model)  # layers shard.py does not split (gpt-oss's sinks, Gemma 4's own layers)
+        if why is not None:
+            raise ConfigError(why, field="tensor_parallel_size")
         if sources is None:
             raise ConfigError("tensor_parallel_size > 1 needs the models' sources, which every rank reads: build the "
                               "LLM with LLM(model, ...) or LLM.from_loaded(..., sources=load_models(...).sources)",

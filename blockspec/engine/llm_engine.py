@@ -69,6 +69,8 @@ class LLMEngine:
         self.lm = lm
         self.proposer = proposer = as_proposer(draft)
         config = config or EngineConfig()
+        if not lm.plan.cuda_graphs:  # its step cannot be captured (the plan's reasons say why): eager, not a failure
+            config = replace(config, enforce_eager=True)
         param = next(lm.model.parameters())
         if proposer is None or config.draft_len_schedule in (None, AUTO):
             # the drafter's own measured schedule for this device, if it carries one (speculative/schedule.py); "auto"

@@ -21,6 +21,7 @@ from blockspec.attention.backends import backend_name
 from blockspec.config import SpeculativeConfig
 from blockspec.errors import BlockspecError, ConfigError
 from blockspec.layers import cpu_packed, cpu_quant, kernels
+from blockspec.loading.capabilities import graph_refusal
 from blockspec.loading.load_config import LoadConfig
 from blockspec.loading.source import resolve_source
 from blockspec.models.config import parse_dtype
@@ -66,6 +67,7 @@ class PlatformPlan:
     cpu_bf16_draft: bool = False
     native: str = NOT_USED  # the native kernels' ISA path, NOT_BUILT, or NOT_USED (nothing asked for them)
     tensor_parallel_size: int = 1
+    cuda_graphs: bool = True  # whether the decode step may be captured (False: eager, graph_refusal says why)
     reasons: tuple[str, ...] = ()  # why each fallback or default happened, in the order decided
     # the speculative config with the drafting options the user left unset filled for this platform (None: none)
     speculative: SpeculativeConfig | None = None
@@ -86,6 +88,14 @@ class PlatformPlan:
         if why is None:
             return replace(self, target=NATIVE_STACK)
         return self._because(f"q4 requested: native stack not used: {why}; its linears run on the native kernel")
+
+    def with_graphs(self, model: nn.Module) -> PlatformPlan:
+        """This plan with the decode step eager on CUDA where the prepared target cannot be captured in a CUDA graph
+        (graph_refusal): the engine runs it eagerly (same results, slower) rather than failing inside the capture."""
+        why = graph_refusal(model) if self.device.startswith("cuda") else None
+        if why is None:
+            return self
+        return replace(self, cuda_graphs=False)._because(f"CUDA graphs off: {why}")
 
     def with_drafter(self, method: str | None, drafter: str, full_block_drafting: bool = False,
                      cpu_bf16_draft: bool = False, reasons: tuple[str, ...] = ()) -> PlatformPlan:

@@ -55,6 +55,8 @@ def summary(p: PlatformPlan) -> str:
         parts.append("full-block drafting")
     if p.tensor_parallel_size > 1:
         parts.append(f"tensor parallel over {p.tensor_parallel_size} ranks")
+    if not p.cuda_graphs:
+        parts.append("eager (no CUDA graphs)")
     return "blockspec: " + ", ".join(parts)
 
 

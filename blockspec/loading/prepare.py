@@ -33,7 +33,7 @@ from blockspec.models.qkv import PackedContextKV, PackedQKV
 def prepare_target(model: nn.Module, plan: PlatformPlan) -> PlatformPlan:
     """The target's linears in the variant `plan` chose, in place (refused combinations were refused by
     platform.plan, before any weight was read); returns the plan completed for this model (PlatformPlan.at_load:
-    whether the native stack runs it)."""
+    whether the native stack runs it; with_graphs: whether its decode step may be captured on CUDA)."""
     if plan.cpu_quant != "off":
         cpu_quant.quantize_target(model, plan.cpu_quant)
         plan = plan.at_load(model)
@@ -51,7 +51,7 @@ def prepare_target(model: nn.Module, plan: PlatformPlan) -> PlatformPlan:
         from blockspec.layers.invariant_linear import make_batch_invariant  # imports triton
 
         make_batch_invariant(model)
-    return plan
+    return plan.with_graphs(model)  # after stacking: experts the fused kernel takes are captured
 
 
 def prepare_draft(model: DFlashDraftModel, lm_head: nn.Module, pack_dtype: torch.dtype | None, rows_hint: int,

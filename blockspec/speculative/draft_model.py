@@ -14,7 +14,7 @@ import torch
 
 from blockspec.attention.paged_ref import PagedBatch
 from blockspec.errors import ConfigError
-from blockspec.kv.pool import CacheShape
+from blockspec.loading.capabilities import draft_model_refusal
 from blockspec.loading.loader import LoadedModel
 from blockspec.models.base import AttentionBase
 from blockspec.speculative.proposer import CommittedRows, DraftBatch, Proposal, Proposer, StepModels
@@ -40,9 +40,12 @@ class DraftModelProposer(Proposer):
             # its in-flight rows would need a recurrent state of their own, rolled back after every verify
             raise ConfigError(f"{draft.source.name}: a hybrid model ({cfg.architecture}: linear-attention layers) is not "
                               f"supported as a draft model; use a dense one or a DFlash drafter", field="draft_model")
+        why = draft_model_refusal(draft.model)  # sinks, a family's own attention: not what _InFlight computes
+        if why is not None:
+            raise ConfigError(f"{draft.source.name}: {why}", field="draft_model")
         self.draft, self.model = draft, draft.model
         self.tap_layers, self.probabilistic = [], False
-        self.cache_shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.cache_shape = draft.model.kv_cache_shape()  # the pages its layers write (models/decoder.py)
         self.cache_dtype = next(draft.model.parameters()).dtype
         self.num_draft_tokens = num_draft_tokens
 
