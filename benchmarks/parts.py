@@ -4,6 +4,7 @@ of its kernels is launch gaps / idle time), and the bytes it must read (the floo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Callable, Iterable
 
@@ -70,8 +71,8 @@ def floor_bytes(lm: LoadedModel, draft: LoadedDraft | None, batch: int, context:
         "target_matrices": _nbytes(p for p in model.parameters() if p is not head and p is not embed),
         "lm_head": _nbytes([head]),
         "embedding_rows": batch * (K + 1) * cfg.hidden_size * embed.element_size(),  # the verify (or decode) rows
-        "kv": batch * (context + K + 1) * _kv_row_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                                        dtype),
+        # the pool's own shape (Gemma 4: layers sharing K/V keep none; Qwen3.5: full-attention layers only)
+        "kv": batch * (context + K + 1) * _kv_row_bytes(*dataclasses.astuple(model.kv_cache_shape()), dtype),
     }
     if draft is not None:
         d, dc = draft.model, draft.config
