@@ -81,7 +81,7 @@ class LLMEngine:
             config = replace(config, draft_len_schedule=None)
         runner = build_runner(lm, proposer, config, acceptance or TargetAcceptance())
         if runner.models.state is not None:
-            config = without_prefix_caching(config)
+            config = without_prefix_caching(config, lm.model)
         self.config = config
         self.runner = wrap_runner(runner) if wrap_runner is not None else runner
         self._local = runner  # this process's runner, for what the engine reports of it (under TP: rank 0's)

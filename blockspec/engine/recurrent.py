@@ -10,6 +10,7 @@ preemption is by recompute from position 0 (the slot is given back; the re-prefi
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import replace
 
 import torch
@@ -20,6 +21,7 @@ from blockspec.models.hybrid_state import RecurrentState
 
 PREFIX_CACHING_OFF = ("blockspec: prefix caching is off for hybrid targets: their recurrent state is not kept per "
                       "cached block")
+_told: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # targets whose engine said it (LLM may build two)
 
 
 def is_hybrid(model: torch.nn.Module) -> bool:
@@ -46,9 +48,12 @@ def sink_slot(state: RecurrentState | None) -> int:
     return state.num_slots - 1 if state is not None else 0
 
 
-def without_prefix_caching(config: EngineConfig) -> EngineConfig:
-    """A hybrid target's engine config: prefix caching off, said once on stderr where it was on."""
+def without_prefix_caching(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
+    """A hybrid target's engine config: prefix caching off, said on stderr where it was on (once per target: the
+    LLM facade rebuilds its engine without the drafter when no draft length pays)."""
     if not config.enable_prefix_caching:
         return config
-    print(PREFIX_CACHING_OFF, file=sys.stderr)
+    if model not in _told:
+        _told.add(model)
+        print(PREFIX_CACHING_OFF, file=sys.stderr)
     return replace(config, enable_prefix_caching=False)

@@ -148,14 +148,17 @@ class RecurrentBatch:
                 together.setdefault((n, keep[i]), []).append(i)
             elif n > 0:
                 alone.append(i)
-        dev = slots.device
-        groups = []
-        for (n, kept), seqs in together.items():
-            rows = torch.tensor([qs[i] for i in seqs], device=dev)[:, None] + torch.arange(n, device=dev)
-            groups.append(SeqGroup(torch.tensor(seqs, device=dev), rows, n, True, kept, max(seqs)))
-        for i in alone:
-            rows = torch.arange(qs[i], qs[i + 1], device=dev)[None]
-            groups.append(SeqGroup(torch.tensor([i], device=dev), rows, qs[i + 1] - qs[i], False, False, i))
+        # every group's batch positions and rows, laid out on the host and copied to the device at once
+        plan = [(seqs, n, True, kept) for (n, kept), seqs in together.items()]
+        plan += [([i], qs[i + 1] - qs[i], False, False) for i in alone]
+        flat = [v for seqs, n, _, _ in plan for v in seqs + [qs[i] + r for i in seqs for r in range(n)]]
+        dev = torch.tensor(flat, dtype=torch.long).to(slots.device)
+        groups, at = [], 0
+        for seqs, n, recurrent, kept in plan:
+            b = len(seqs)
+            groups.append(SeqGroup(dev[at:at + b], dev[at + b:at + b + b * n].view(b, n), n, recurrent, kept,
+                                   max(seqs)))
+            at += b + b * n
         return cls(state, slots.long(), fresh, groups)
 
     @classmethod
