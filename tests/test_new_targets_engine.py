@@ -118,6 +118,20 @@ def test_greedy_speculation_equals_plain_decoding(pair, method, scenario):
         assert (stats.num_overlapped_steps > 0) == engine["overlap"], stats
 
 
+def test_sliding_scaled_drafter_is_lossless(pair, tmp_path):
+    """A random drafter of the Gemma 4 kind (a sliding-window draft layer, a scaled input embedding, a logit cap)
+    through both step paths: greedy output is the target's whatever it drafts."""
+    make_zlab_draft(pair.hf.config, tmp_path / "d", block_size=6, target_layer_ids=[1, 3], mask_token_id=63,
+                    scale=3.0, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                    input_embedding_scale=8.0, final_logit_softcapping=5.0)
+    draft = load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d")), pair.lm)
+    assert draft.model.layers[0].self_attn.window == 4 and draft.config.input_embedding_scale == 8.0
+    prompts, params = workload(6, seed=2)
+    for path in ("auto", "varlen"):
+        llm = LLM.from_loaded(pair.lm, draft, engine=EngineConfig(max_num_seqs=3, block_size=4, step_path=path))
+        assert_transformers_greedy(pair, prompts, params, Run(llm).run(prompts, params, stagger=1))
+
+
 def test_seeded_sampling_with_argmax_drafts_equals_plain(pair):
     """Each emitted token is the target's own seeded sample at its position (argmax drafts are accepted where they
     equal it), so speculative sampling gives plain sampling's tokens; on Gemma 4 those come from the soft-capped
@@ -232,3 +246,21 @@ def test_drafter_configs_that_do_not_fit_the_target_fail_naming_the_field(pair, 
     with pytest.raises(ConfigError) as e:
         load_draft(SpeculativeConfig(draft_model=str(tmp_path / "d"), **edit), pair.lm)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_runs_eagerly_and_decodes_as_transformers(pair):
+    """fp32 on CUDA: the plan turns CUDA graphs off for the grouped experts, the engine captures nothing, and plain,
+    n-gram and DFlash greedy decoding (the Triton attention with windows, sinks and shared K/V) give transformers'
+    tokens (transformers on the CPU)."""
+    from blockspec.loading.loader import LoadConfig
+
+    lm = load_model(str(pair.root / "target"), LoadConfig(device="cuda", dtype="float32", with_tokenizer=False))
+    assert not lm.plan.cuda_graphs and lm.plan.reasons[-1].startswith("CUDA graphs off: the routed experts")
+    draft = load_draft(SpeculativeConfig(draft_model=str(pair.root / "draft")), lm)  # random weights: lossless
+    prompts, params = workload(8, seed=5)
+    for proposer in (None, NgramProposer(7, 3), DFlashProposer(draft)):
+        llm = LLM.from_loaded(lm, proposer, engine=EngineConfig(max_num_seqs=4, block_size=16))
+        assert_transformers_greedy(pair, prompts, params, Run(llm).run(prompts, params, stagger=2))
+        stats = llm.engine.stats()
+        assert llm.engine.config.enforce_eager and not stats.captured_graphs and stats.num_decode_steps > 0
