@@ -10,9 +10,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from blockspec.attention.backends import TritonTargetAttention  # the engine's; test_gemma4 takes it from here
 from blockspec.attention.paged_ref import PagedBatch, PagedTargetAttention
 from blockspec.kv.pool import CacheShape, KVPool
-from blockspec.models.base import AttentionBase
 
 BLOCK = 4
 
@@ -94,25 +94,6 @@ def assert_matches(lm, hf, prompts: Sequence[torch.Tensor], splits: Sequence[int
         for i in range(n):
             err = close(taps[:, i * H:(i + 1) * H], ref.hidden_states[i + 1][0])
             assert err <= tol, (len(ids), i, err)
-
-
-class TritonTargetAttention(AttentionBase):
-    """The target attention over the pool on the Triton kernel (interpreter on CPU), passing each layer's window and
-    sinks, storing nothing for k = v = None: what attention/backends.py's Triton target attention must do for the
-    families with sliding windows, sinks or shared K/V."""
-
-    def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
-        self.pool, self.batch = pool, batch
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        from blockspec.attention.triton_paged import paged_attention, store_kv
-
-        kc, vc, b = self.pool.k[layer], self.pool.v[layer], self.batch
-        if k is not None and v is not None:
-            store_kv(k, v, kc, vc, b.slot_mapping)
-        return paged_attention(q, kc, vc, b.positions, b.query_start, b.kv_lens, b.block_tables, self.pool.block_size,
-                               scale, b.max_q_len, causal=True, window=window, max_kv_len=b.max_kv_len, sinks=sinks)
 
 
 def assert_same_as_cpu(path: str, prompts: Sequence[torch.Tensor], splits: Sequence[int], tol: float = 1e-4) -> None:
