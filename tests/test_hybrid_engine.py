@@ -88,6 +88,7 @@ SCENARIOS = {
     "split_mixed": (dict(max_num_seqs=6, block_size=4, split_mixed_steps=True, overlap=True), 1),
     "chunked_prefill": (dict(max_num_seqs=4, block_size=4, max_num_batched_tokens=12, overlap=True), 2),
     "preemption": (dict(max_num_seqs=8, block_size=2, overlap=True), None),  # num_kv_blocks set below
+    "context_end": (dict(max_num_seqs=4, block_size=4, max_model_len=40, overlap=True), 2),  # drafts clipped
 }
 
 
@@ -111,11 +112,16 @@ def test_greedy_speculation_equals_plain_decoding(pair, method, scenario):
     if scenario == "preemption":  # room for the largest request and a half: the newest are preempted, recomputed
         need = max(-(-(len(p) + sp.max_tokens + K + 1) // 2) + 1 for p, sp in zip(prompts, params))
         engine = {**engine, "num_kv_blocks": int(need * 1.5)}
+    if scenario == "context_end":  # the prompts' ends within K of the context's: fewer drafts, then none
+        prompts = [p[-30:] for p in prompts]
+        params = [SamplingParams(max_tokens=40, ignore_eos=True) for _ in prompts]
     llm = LLM.from_loaded(pair.lm, prop, engine=EngineConfig(**engine))
     e = llm.engine
     assert not e.config.enable_prefix_caching
     outs = SlotRun(llm).run(prompts, params, stagger=stagger)
     for i, (p, sp, o) in enumerate(zip(prompts, params, outs)):
+        if scenario == "context_end":  # the engine's context is 40 tokens
+            sp = SamplingParams(max_tokens=40 - len(p), ignore_eos=True)
         assert (o.token_ids, o.finish_reason) == plain_generate(pair.lm, p, sp), f"request {i}: spec != plain"
     spec_consistency(outs)
     assert e.scheduler.state_slots.num_free == e.config.max_num_seqs  # every slot given back
@@ -130,10 +136,12 @@ def test_greedy_speculation_equals_plain_decoding(pair, method, scenario):
         assert stats.num_decode_steps > 0 and stats.num_varlen_steps > 0
         if not engine["overlap"]:
             assert stats.num_overlapped_steps == 0
-        elif scenario != "preemption":  # a tight pool may leave no room to chain a step
+        elif scenario not in ("preemption", "context_end"):  # no room to chain; K' differing per request
             assert stats.num_overlapped_steps > 0, stats
     if scenario == "preemption":
         assert e.scheduler.num_preemptions > 0 and any(o.num_preemptions for o in outs)
+    if scenario == "context_end":
+        assert any(0 < len(st.draft) < K for st in steps)
 
 
 # ---- the state itself: rollback at the engine level ------------------------------------------------------------
