@@ -3,7 +3,7 @@ draft length schedule? Each batch size runs in its own process (a fresh GPU pool
 state cannot favour the next). Rows {batch, tau, spec_tps, plain_tps, speedup, speedup_range, outputs_identical,
 kernel compiles inside timed runs, draft length schedule} into --out. Usage (the bundled pair by default):
   python -m benchmarks.batch_sweep [--model M --draft D] [--batches 1,8,32,64] [--prompts humaneval]
-      [--max-tokens 256] [--repeats 3] --out docs/perf/bundled_batch_sweep.json
+      [--max-tokens 256] [--repeats 3] --out docs/results/data/batch-sweep-DEVICE-DATE.json
 A batch of B decodes max(16, 2B) prompts of the set (at most all of them), so every batch size runs full waves."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The native CPU kernels on the bundled pair (docs/perf.md, "CPU: the native drafter"): ms per call, median of
+"""The native CPU kernels on the bundled pair (docs/results/2026-12-06-cpu-native-drafter-amx.md): ms per call, median
+of
 --reps, of the q4 target's whole layer stack (blockspec/native/decoder.c) at 1, 4 and 16 rows after --context
 tokens of one sequence, its int8 head, the native drafter's block forward (draft.c's stack in draft-block mode) and
 its context append, at each thread count. What a plain step (1 row), a K = 3 verify (4 rows) and a draft block

@@ -1,4 +1,5 @@
-"""The CPU linear kernels --cpu-quant chooses between, on SmolLM2-135M's shapes (docs/perf.md): ms for the linears of
+"""The CPU linear kernels --cpu-quant chooses between, on SmolLM2-135M's shapes
+(docs/results/2026-12-05-cpu-quant-llama-cpp.md): ms for the linears of
 one forward (30 layers of q|k|v, o, gate|up, down, each layer its own weights so they stream from memory as in a
 decode step; then the 49,152 x 576 head) at 1, 4, 5 and 16 rows (a decode step, a verify step of K = 3 and 4, a
 draft block). Random weights; the kernels do not look at the values.

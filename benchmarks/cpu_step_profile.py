@@ -1,4 +1,5 @@
-"""Where a CPU decode step's time goes (docs/perf.md): the bundled SmolLM2 pair as the demo sets it up, one demo
+"""Where a CPU decode step's time goes (docs/results/2026-12-05-cpu-quant-llama-cpp.md): the bundled SmolLM2 pair as
+the demo sets it up, one demo
 prompt decoded plainly or with DFlash, then again under torch's profiler; ms per step for the quantized matmuls,
 oneDNN's packed matmuls (the drafter), SDPA, the paged KV gathers and stores, casts and copies, and every other op
 (self time, so nested ops are not counted twice); the rest of the wall time is Python and the engine. Then the same

@@ -1,6 +1,7 @@
 """`blockspec generate --prompt P --chat` with and without `--draft` and no other flag, as a new user runs it: one
 process per prompt (the demo's prompts), the two alternating, tokens/s as `generate --json` reports it (the
-decoding alone: load and the first run's calibration stay out), tau, and whether the outputs are equal (docs/perf.md).
+decoding alone: load and the first run's calibration stay out), tau, and whether the outputs are equal
+(docs/performance.md).
 The draft length calibration is measured once before the timed runs (its cache is what a user's second run reads).
 Usage:
   python -m benchmarks.generate_defaults [--max-tokens 128] [--draft DIR] [--out FILE] [-- GENERATE FLAGS]"""
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
               "median_speedup": round(statistics.median(r["spec_tok_s"] / r["plain_tok_s"] for r in rows), 3),
               "tau": round(statistics.mean(r["tau"] for r in rows), 2), "differ": sum(not r["same"] for r in rows),
               "calibration": calibration, "max_tokens": args.max_tokens, "flags": args.flags,
-              "command": "python -m benchmarks.generate_defaults " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m benchmarks.generate_defaults " + " ".join(argv if argv is not None else
+              sys.argv[1:]),
               "rows": rows}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     if args.out is not None:

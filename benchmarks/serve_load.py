@@ -1,6 +1,6 @@
 """Concurrent streams through `blockspec serve`, with the drafter (its defaults: the calibrated draft length
 schedule) and without: wall time, tokens/s, and whether every stream's tokens equal the same prompt's output when
-sent alone (docs/perf.md). Each server is a `blockspec serve` process of its own, started untimed (load and
+sent alone (docs/performance.md). Each server is a `blockspec serve` process of its own, started untimed (load and
 calibration stay out of the timing); the streams are chat completions of the shipped MT-Bench and HumanEval prompts,
 greedy. Usage:
   python -m benchmarks.serve_load [--streams 48] [--max-tokens 96] [--draft DIR] [--out FILE] [-- SERVE FLAGS]"""
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for pair in zip(chat, code) for p in pair][: args.streams]
     logs = Path(args.out.parent if args.out else ".")
     result: dict = {"streams": args.streams, "max_tokens": args.max_tokens, "serve_flags": args.serve_flags,
-                    "command": "python -m benchmarks.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])}
+                    "command": "python -m benchmarks.serve_load " + " ".join(argv if argv is not None else
+                    sys.argv[1:])}
     outputs = {}
     for mode, extra in (("plain", []), ("spec", ["--draft", args.draft])):
         proc, url, model, ready_s = start_server(["--device", "cpu", *extra, *args.serve_flags],

@@ -6,7 +6,7 @@ drafts), on a Qwen3-8B-shaped bf16 target with random weights and a 5-layer bloc
   - HF transformers `generate` on identical weights (batch 1);
 plus a per-part breakdown (GEMMs / attention / other kernels / gaps), end-to-end tokens/s through LLMEngine with a
 forced acceptance length (benchmark-only), and a bf16 greedy comparison with HF (first divergences and their
-top-2 logit gaps). Usage: python -m benchmarks.step --out docs/perf/step_bench.json
+top-2 logit gaps). Usage: python -m benchmarks.step --out docs/results/data/step-bench-DEVICE-DATE.json
 (--batch-invariant: only the step table, as usual and then with the target batch-invariant, for that mode's cost;
 --recompute-floor FILE...: the floor fields of recorded runs, from their own step times and copy bandwidth)"""
 
@@ -292,7 +292,8 @@ def main() -> None:
         **base, **e2e_keys, "ar_step_ms_bs1": bs1["ar_step_ms"], "spec_step_ms_bs1": bs1["spec_step_ms"],
         "hf_ar_step_ms_bs1": hf_ms, "ar_speedup_vs_hf_bs1": hf_ms / bs1["ar_step_ms"], "breakdown_bs1_ctx1k": parts,
         "end_to_end": e2e, "greedy_vs_hf_bf16": greedy, "table": rows}, lm, draft, bw)
-    print(json.dumps({k: v for k, v in report.items() if k not in ("table", "end_to_end", "greedy_vs_hf_bf16")}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("table", "end_to_end", "greedy_vs_hf_bf16")},
+    indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -141,7 +141,8 @@ class EngineConfig:
     # A step with both decoding and prefilling requests: True runs the decoding ones through the decode step (its
     # CUDA graph, which also drafts their next blocks) and only the rest through the varlen path; False runs every
     # row on the varlen path, then an eager draft pass. Same outputs either way (tested on CPU). On the GPU it paid
-    # 1.09x at draft-data's shape (docs/perf.md), which turns it on; serving leaves it off until measured at small
+    # 1.09x at draft-data's shape (docs/results/2026-12-03-h200-datagen-split-mixed-steps.md), which turns it on;
+    # serving leaves it off until measured at small
     # batches. On CPU every forward reads all the weights, so one combined pass stays cheaper there.
     split_mixed_steps: bool = False
     # While the GPU runs decode step n, the host enqueues step n+1 of the same requests (its inputs derived on the

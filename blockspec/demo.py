@@ -23,7 +23,7 @@ from blockspec.sampling import SamplingParams
 
 CPU_DRAFT_TOKENS = 4
 # under --cpu-quant q4 / q8: torch's quantized kernels work in blocks of 4 rows, so a verify step of 5 rows costs
-# about two of 4 (docs/perf.md)
+# about two of 4 (docs/results/2026-12-05-cpu-quant-llama-cpp.md)
 CPU_QUANT_DRAFT_TOKENS = 3
 # argmax drafts over the first half of SmolLM2's vocabulary on CPU: its BPE ids are roughly frequency-ordered, ids
 # below 24,576 are 98.6 % of the demo's output tokens, and the drafter's head pass (the spec step's largest extra
@@ -31,7 +31,8 @@ CPU_QUANT_DRAFT_TOKENS = 3
 CPU_DRAFT_VOCAB = 24576
 
 # The three families DFlash is measured on (code, math, chat), written before any was measured, kept whatever they
-# score: chat prose is where a 135M target is least predictable (per-prompt figures in docs/perf.md)
+# score: chat prose is where a 135M target is least predictable (per-prompt figures in
+# docs/results/2026-12-03-cpu-demo-bundled-pair.md)
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Write a Python function that returns the n-th Fibonacci number.",

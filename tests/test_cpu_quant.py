@@ -1,5 +1,6 @@
 """The quantized CPU target (LoadConfig(cpu_quant=...), --cpu-quant): int4 / int8 packed linears equal their dequantized
-reference within the tolerance docs/perf.md states; each output row is computed the same way whatever the other rows
+reference within the tolerance docs/results/2026-12-05-cpu-quant-llama-cpp.md states; each output row is computed the
+same way whatever the other rows
 (the property greedy speculative decoding needs to stay exact); a quantized model's verify rows equal its decode rows
 bit for bit, and its speculative output equals its plain output, given a target attention that computes each query
 row alone; bad flag values fail with one line naming the flag."""
@@ -35,7 +36,8 @@ from trained_pair import CYCLE_A, CYCLE_B, cycle_seq, trained_pair
 CPU = torch.device("cpu")
 MODES = [m for m in ("q4", "q8") if cpu_quant.supported(m, CPU)]
 pytestmark = pytest.mark.skipif(not MODES, reason="no vectorized torch quantized CPU kernel here")
-# docs/perf.md: inputs are rounded to bf16 and each output to bf16 (2^-9 relative), accumulation is fp32
+# docs/results/2026-12-05-cpu-quant-llama-cpp.md: inputs are rounded to bf16 and each output to bf16 (2^-9 relative),
+# accumulation is fp32
 RTOL = 2 ** -8
 # every kernel a mode may run: torch's (bf16 activations) where they work here, blockspec's q4 where it builds
 KERNELS = ([(m, cls) for m, cls in (("q4", Int4Linear), ("q8", Int8Linear)) if cpu_quant._works(m)]
@@ -52,7 +54,8 @@ def q8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_reference(cls: type, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What a kernel computes for x [M, K] on its dequantized weight: torch's kernels on bf16-rounded inputs, blockspec's
+    """What a kernel computes for x [M, K] on its dequantized weight: torch's kernels on bf16-rounded inputs,
+    blockspec's
     on int8-quantized ones (fp32 accumulation either way)."""
     if cls in NATIVE:
         return (q8_rows(x).double() @ weight.double().T).float()
@@ -66,7 +69,8 @@ def greedy(n: int) -> SamplingParams:
 def rowwise_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Each query row alone over exactly the keys it sees: for a verify row, the very call a decode step makes for
     that position. The engine's CPU attention (one SDPA call per sequence) rounds a row differently with 1 or K + 1
-    query rows; in fp32 that is ~1 ulp, under bf16 activations it flips greedy tokens (docs/perf.md)."""
+    query rows; in fp32 that is ~1 ulp, under bf16 activations it flips greedy tokens
+    (docs/results/2026-12-05-cpu-quant-llama-cpp.md)."""
     out = torch.empty_like(q)
     for r in range(q.shape[0]):
         keys = mask[r].nonzero()[:, 0]
@@ -293,7 +297,8 @@ def test_bad_values_fail_with_one_line_naming_the_flag(tmp_path, monkeypatch, ca
 
 
 def test_auto_is_the_fastest_supported_mode(monkeypatch):
-    """auto: q4 (the fewest weight bytes, fastest at 1-4 rows: docs/perf.md), else q8, else off."""
+    """auto: q4 (the fewest weight bytes, fastest at 1-4 rows: docs/results/2026-12-05-cpu-quant-llama-cpp.md), else
+    q8, else off."""
     assert cpu_quant.resolve("auto", CPU) == MODES[0]
     monkeypatch.setattr(cpu_quant, "supported", lambda mode, device: mode == "q8")
     assert cpu_quant.resolve("auto", CPU) == "q8"

@@ -3,7 +3,7 @@
 quantized target, verifying more rows costs another pass of the int4 kernels, so at a high batch the calibration
 must choose K = 0. With the fp32 target (serve's default; exact under batching, where the q4 path's bf16 activations
 are not), concurrent streams through the server emit exactly what each prompt gives alone. The full 48-stream run
-and its throughput are in docs/perf.md (python -m benchmarks.serve_load)."""
+and its throughput are in docs/performance.md (python -m benchmarks.serve_load)."""
 
 from __future__ import annotations
 

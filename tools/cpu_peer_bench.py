@@ -1,12 +1,13 @@
-"""blockspec against llama.cpp on the CPU, side by side (docs/perf.md, "CPU peers"): the bundled SmolLM2-135M-Instruct
+"""blockspec against llama.cpp on the CPU, side by side (docs/performance.md): the bundled SmolLM2-135M-Instruct
 Q4_1 GGUF, the demo's 10 prompts through the same chat template (the same token ids go to every engine), greedy, the
 same max tokens and thread counts. Engines x modes: llama.cpp plain (llama-cpp-python 0.3.36), llama.cpp b11434's own
 plain, DFlash (the bundled drafter as a GGUF, at the draft length that was fastest in a sweep at the start: 2
 prompts, each length twice, interleaved, its better pass; recorded in the JSON) and n-gram decoding
 (tools/llama_cpp_peer.py says what runs and what is timed), blockspec plain and blockspec DFlash. Per repeat and
 thread count every engine runs once, one after the other (interleaved); each row's median over the repeats that count
-goes to docs/perf/cpu_peers.json. The busy-machine guard (tools/cpu_peer_guard.py): the load is sampled between
-engine runs and measured during each, and a repeat run while others kept >= --max-busy CPUs busy (before, during or
+goes to --out (default docs/results/data/cpu-peers-llama-cpp-DATE.json). The busy-machine guard
+(tools/cpu_peer_guard.py): the load is sampled between engine runs and measured during each, and a repeat run while
+others kept >= --max-busy CPUs busy (before, during or
 after it), or whose rate collapsed below half the median of the row's other repeats, is discarded, never used, and
 listed with why. Also: the kernels that ran, whether each speculative output equals its engine's plain one, where
 llama.cpp's greedy output differs from ours, and how far each is from the fp32 model dequantized from the same file
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -101,7 +103,8 @@ def main() -> int:
     ap.add_argument("--max-busy", type=float, default=0.5,
                     help="a run while others keep this many CPUs busy does not count (and a repeat waits for less)")
     ap.add_argument("--patience", type=float, default=900, help="seconds to wait for a quiet machine per repeat")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "perf" / "cpu_peers.json")
+    ap.add_argument("--out", type=Path,
+                    default=ROOT / "docs" / "results" / "data" / f"cpu-peers-llama-cpp-{date.today()}.json")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     for need in (args.peer_python, peer.BIN, peer.DRAFT_GGUF):

@@ -1,10 +1,11 @@
 """How far the quantized CPU target (--cpu-quant q4 / q8) is from the fp32 model dequantized from the same file, on
-the demo's prompts (docs/perf.md). Per mode:
+the demo's prompts (docs/results/2026-12-05-cpu-quant-llama-cpp.md). Per mode:
   - top-1 agreement, teacher-forced: the fp32 model's greedy answer to each prompt (96 tokens) is fed through the
     quantized model, and at each answer position its argmax is compared with the token the fp32 model chose;
   - free-running: how many of the quantized model's own greedy answers equal the fp32 model's, and at which token
     the others first differ.
-Usage: python tools/cpu_quant_agreement.py [--model SRC] [--max-tokens 96] [--out docs/perf/cpu_quant_agreement.json]"""
+Usage: python tools/cpu_quant_agreement.py [--model SRC] [--max-tokens 96] [--out
+docs/results/data/cpu-quant-agreement-DATE.json]"""
 
 from __future__ import annotations
 

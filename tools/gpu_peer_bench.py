@@ -69,7 +69,8 @@ def main() -> int:
     args = ap.parse_args()
     for need in (args.bin, args.target, args.draft_gguf):
         if not need.exists():
-            raise SystemExit(f"{need} is missing (tools/setup_gpu_peer.sh builds the binary; docs/perf.md, issue 43)")
+            raise SystemExit(f"{need} is missing (tools/setup_gpu_peer.sh builds the binary; "
+                             f"docs/results/2026-12-07-gpu-peers-plan.md)")
     engines = blockspec_engines(args.target, args.num_draft_tokens, args.device)
     tok = engines["plain"].tokenizer
     texts = [p for name in args.datasets.split(",") for p in load_eval_prompts(name, args.limit)]

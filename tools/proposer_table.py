@@ -1,4 +1,5 @@
-"""The proposer results table of issue 25 (docs/perf/proposers.json, docs/perf.md): for one target, each dataset x
+"""The proposer results table of issue 25 (docs/results/data/proposers-h100-qwen2.5-coder-1.5b-2026-12-07.json,
+docs/performance.md): for one target, each dataset x
 method (none, ngram, draft-model, dflash) x batch, tau and tokens/s against plain decoding, resumable.
 
 Each speculative row is one `evaluate_draft` call (blockspec/evaluation/eval_draft.py, what `blockspec eval-draft`
@@ -7,7 +8,8 @@ medians. The `none` row is `bench` without a drafter (evaluation/throughput.py, 
 evaluate_draft's engine sizing with K = 0 (eval_engine). Greedy, chat template, `--max-tokens` new tokens.
 
 The baseline is measured per row, not shared by the rows of a (dataset, batch): the protocol cancels drift (clocks,
-other tenants; docs/perf.md saw short runs vary +-30 % between calls) by alternating a row's plain runs with its own
+other tenants; docs/results/2026-12-04-bundled-drafter-acceptance.md saw short runs vary +-30 % between calls) by
+alternating a row's plain runs with its own
 spec runs, and a resumed table is filled over several device calls, often on different machines, so a shared baseline
 could come from another call or machine than the row it divides. The price: plain runs repeated for every method.
 
@@ -19,7 +21,8 @@ row's estimate would pass S. The estimate: the wall time per prompt of a done ro
 batch (else the slowest of that target and batch), x 1.25; a row with no estimate yet runs. A row cannot be split:
 one that alone outlasts a device call (likely gsm8k's 1,319 prompts at batch 1) needs --limit or fewer --repeats. Usage:
   python tools/proposer_table.py --target Q.gguf --target-name NAME --dflash-draft DIR --draft-model SMALL.gguf \\
-      --batch-invariant --time-budget 540 [--limit N] [--out docs/perf/proposers.json]"""
+      --batch-invariant --time-budget 540 [--limit N] [--out
+      docs/results/data/proposers-h100-qwen2.5-coder-1.5b-2026-12-07.json]"""
 
 from __future__ import annotations
 
@@ -105,7 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per mode and row (default 2)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS")
-    p.add_argument("--out", type=Path, default=Path("docs/perf/proposers.json"))
+    p.add_argument("--out", type=Path,
+                   default=Path("docs/results/data/proposers-h100-qwen2.5-coder-1.5b-2026-12-07.json"))
     args = p.parse_args(argv)
     args.datasets = parse_names("--datasets", args.datasets, DATASETS)
     args.methods = parse_names("--methods", args.methods, METHODS)

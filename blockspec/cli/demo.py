@@ -7,7 +7,8 @@ import argparse
 from blockspec.cli.flags import add_cpu_quant_arg, add_device_args, add_max_tokens, add_model_arg, add_speculative_args
 
 # the demo runs the GGUF's quantized weights as they are (Q4_1 codes in the int4 kernel): plain decoding reads 4x
-# fewer weight bytes than the fp32 path; the outputs are the quantized model's (docs/perf.md)
+# fewer weight bytes than the fp32 path; the outputs are the quantized model's
+# (docs/results/2026-12-05-cpu-quant-llama-cpp.md)
 DEMO_CPU_QUANT = "auto"
 
 
@@ -17,7 +18,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_device_args(p, device="cpu", dtype=False)
     add_speculative_args(p, ["num_draft_tokens"], num_draft_tokens={
         "help": "K drafts per block for the bundled drafter (default: 4 on CPU, where K = 3-5 measure best, 3 under "
-                "--cpu-quant, see docs/perf.md; block_size - 1 elsewhere)"})
+                "--cpu-quant, see docs/results/2026-12-05-cpu-quant-llama-cpp.md; block_size - 1 elsewhere)"})
     p.add_argument("--fp32-draft", action="store_true",
                    help="keep the drafter in fp32 on CPUs with bf16 units too (what CPUs without them run)")
     add_cpu_quant_arg(p, DEMO_CPU_QUANT)

@@ -3,7 +3,8 @@
 
 On a CPU a decode step is bound by weight bytes, and MKL's GEMMs, which F.linear calls, read them slowly at the few
 rows a decode or verify step has: on an AMD EPYC an fp32 GEMM of 3 rows takes ~3x the time of 1 row, and one row
-over SmolLM2's lm_head ~2.5x what oneDNN takes (docs/perf.md). oneDNN on a weight packed once into its blocked
+over SmolLM2's lm_head ~2.5x what oneDNN takes (docs/results/2026-12-03-cpu-demo-bundled-pair.md). oneDNN on a weight
+packed once into its blocked
 layout reads it at near memory speed for 1 to 16 rows, so a verify step of K + 1 rows costs about what a 1-row step
 does. F.linear in bf16 goes to oneDNN too but re-packs the weight on every call; these linears pack it once, at load.
 Inference only: the packed weight has no autograd, and it is a plain attribute that .to() leaves alone (it stays on
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 # rows oneDNN packs the target's weights for: its blocked layout for 16 rows serves 1-16 (plain decode, verify of
-# K + 1 <= 16 rows) at the 1-row speed; a 1-row layout makes 3 rows ~2x slower (measured, docs/perf.md)
+# K + 1 <= 16 rows) at the 1-row speed; a 1-row layout makes 3 rows ~2x slower (measured,
+# docs/results/2026-12-03-cpu-demo-bundled-pair.md)
 TARGET_ROWS_HINT = 16
 
 

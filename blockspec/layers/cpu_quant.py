@@ -12,7 +12,7 @@ computed by the same instructions in the same order whatever the other rows are 
 row; tests/test_cpu_quant.py checks it per kernel), so these linears round a verify step's rows as plain decoding
 rounds them. Greedy speculative output equals plain decoding of the quantized model when the rest of the step is
 row-invariant too: the bf16 casts turn any 1-ulp difference upstream (the CPU attention has them) into a bf16 one
-that can flip a near-tie (docs/perf.md). Inference only, like layers/cpu_packed.py."""
+that can flip a near-tie (docs/results/2026-12-05-cpu-quant-llama-cpp.md). Inference only, like layers/cpu_packed.py."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def supported(mode: str, device: torch.device) -> bool:
 
 
 def resolve(mode: str, device: torch.device) -> str:
-    """auto -> the fastest mode this device supports (q4, else q8, else off: docs/perf.md); others as given."""
+    """auto -> the fastest mode this device supports (q4, else q8, else off:
+    docs/results/2026-12-05-cpu-quant-llama-cpp.md); others as given."""
     if check_mode(mode) != "auto":
         return mode
     return next((m for m in ("q4", "q8") if supported(m, device)), "off")
@@ -277,7 +278,8 @@ def quantize_linears(module: nn.Module, mode: str, skip: tuple[str, ...] = ()) -
 @torch.no_grad()
 def quantize_target(model: nn.Module, mode: str) -> None:
     """A target's linears in `mode`, its lm_head in int8 wherever q8 runs: an int4 head costs 5 points of top-1
-    agreement with the fp32 model on the demo prompts (93.1 % vs 98.1 %) for ~1 ms a step (docs/perf.md). The head
+    agreement with the fp32 model on the demo prompts (93.1 % vs 98.1 %) for ~1 ms a step
+    (docs/results/2026-12-05-cpu-quant-llama-cpp.md). The head
     keeps its `.weight` (the drafter reads it; a tied head's is the embedding's anyway)."""
     quantize_linears(model, mode, skip=("lm_head",))
     head = model.lm_head

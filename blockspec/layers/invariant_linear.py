@@ -38,7 +38,7 @@ class Tile:
 
 
 # One tile for every GEMM: rows computed under different tiles round differently. The fastest of eight on the H200
-# (python -m benchmarks.invariant_gemm, docs/perf.md).
+# (python -m benchmarks.invariant_gemm, docs/results/2026-12-04-h200-batch-invariant-cost.md).
 TILE = Tile(64, 64, 64, 4, 3)
 
 

@@ -3,14 +3,16 @@
 
 The target: a q4 model's whole stack in one native call (what `--cpu-quant q4` runs on the CPU where the kernels build).
 The embedding lookup, the rotary table and the logits stay in torch (one op each); everything between them, 30 layers
-of ~60 eager ops each on SmolLM2-135M, is one call (docs/perf.md, "The native decoder"). It runs the paged pool and
+of ~60 eager ops each on SmolLM2-135M, is one call (docs/results/2026-12-06-cpu-native-decoder-stack.md). It runs the
+paged pool and
 batch of a RowwiseTargetAttention; other attentions (the dense cache of the reference paths) keep the torch layers,
 which compute the same function to within the int8 rounding of the activations.
 
 The drafter: a DFlash 1 drafter under such a target, its linears as GGUF Q8_0 blocks (fc, each layer's q|k|v, o,
 gate|up, down) and int8 activations; the block's forward is decoder.c's stack with a draft batch (each row over its
 sequence's cached draft context and its whole block) and the context append is one draft.c call. On SmolLM2-135M's
-bundled drafter this replaces ~60 eager torch ops per draft layer and the bf16 oneDNN GEMMs (docs/perf.md, "native
+bundled drafter this replaces ~60 eager torch ops per draft layer and the bf16 oneDNN GEMMs
+(docs/results/2026-12-06-cpu-native-drafter-amx.md, "native
 drafter"). Its drafts are those of the Q8_0 drafter (not bit for bit the bf16 or fp32 drafter's): speculation stays
 lossless, only which tokens get proposed can differ. The torch modules are kept as they are for any other attention.
 

@@ -13,7 +13,7 @@ PackedQKV, PackedContextKV and packed linears, its inputs cast into its dtype, a
 where the target's own cannot serve. Argmax drafts over the first draft_vocab_size token ids get a head of their
 own. A quantized target's drafter drafts through the target's quantized head (and a quantized copy of its first
 draft_vocab_size rows); its layers stay packed in bf16 / fp32: they run 16-row blocks, where oneDNN's packed GEMMs
-beat the quantized kernels, whose cost grows with every 4 rows (docs/perf.md)."""
+beat the quantized kernels, whose cost grows with every 4 rows (docs/results/2026-12-05-cpu-quant-llama-cpp.md)."""
 
 from __future__ import annotations
 

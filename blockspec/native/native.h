@@ -25,7 +25,8 @@ build test checks that it builds and computes the same). */
 #define QK 32    /* inputs per block (GGUF's Q4_1 / Q8_0 blocks, the activations' int8 blocks) */
 #define NG 8     /* outputs per group: the lanes of one 256-bit vector */
 #define LANES 8  /* the fixed lanes of every float sum */
-/* AMX from this many rows (verify steps of a few rows measure faster on VNNI: docs/perf.md) */
+/* AMX from this many rows (verify steps of a few rows measure faster on VNNI:
+   docs/results/2026-12-06-cpu-native-drafter-amx.md) */
 #define AMX_MIN_ROWS 8
 
 float fp16_to_f32(uint16_t h);
@@ -119,7 +120,8 @@ static inline void rms_norm(const float *x, const float *w, int n, float eps, fl
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* rotate-half rotary of one head in place: x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] */
+/* rotate-half rotary of one head in place: x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] cos[i + D/2] + x[i] sin[i +
+   D/2] */
 static inline void rotary(float *x, const float *cos, const float *sin, int D) {
     int h = D / 2;
     for (int i = 0; i < h; i++) {

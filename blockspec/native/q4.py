@@ -1,7 +1,7 @@
 """The weights and activations as the native Q4 x Q8 and Q8 x Q8 kernels (q4gemm.c, q8gemm.c) read them, and their
 matmuls: what layers/cpu_quant.py's NativeQ4Linear and NativeQ8Linear run. Written here because torch's CPU int4
 kernels dequantize to fp32 FMAs (each further 4-row block costs another pass) and take bf16 activations: these take
-int8 activations with integer dot products and stream the weights once for all rows (docs/perf.md).
+int8 activations with integer dot products and stream the weights once for all rows (docs/decisions/native-c.md).
 
 `library()` (lib.py) is None where the kernels cannot be built (build.py says why, once) or BLOCKSPEC_NATIVE=0: then
 --cpu-quant keeps torch's kernels and nothing here is constructed."""

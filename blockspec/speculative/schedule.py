@@ -1,4 +1,5 @@
-"""The draft length K for each batch size, from what a step costs and what a draft is worth (docs/perf.md).
+"""The draft length K for each batch size, from what a step costs and what a draft is worth
+(docs/decisions/calibration.md).
 
 A step of B requests with K drafts each costs cost[B][K] seconds (K = 0: a plain step; a drafter that conditions on
 the target still appends its context) and emits per request 1 + p_1 + ... + p_K tokens on average, where p_i is the
@@ -88,7 +89,8 @@ def fingerprint(path: Path | None) -> list:
     if path is None:
         return []
     files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files if f.is_file() and f.name != SCHEDULE_FILE]
+    return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files if f.is_file() and f.name !=
+    SCHEDULE_FILE]
 
 
 def install_schedule(directory: Path, device: torch.device, table: dict) -> Path:

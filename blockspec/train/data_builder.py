@@ -51,7 +51,8 @@ def build_dataset(lm: LoadedModel, prompts: Sequence[str], out_dir: str | Path, 
     `meta` is stored in the manifest next to the counts and generation settings. `draft`: generate with speculative
     decoding (an earlier drafter of the same target): lossless, so only the generation time changes; greedy only,
     where the outputs are the target's own argmax tokens either way. split_mixed_steps: EngineConfig's; None: on for
-    CUDA (same data; 1.09x at draft-data's shape on the H200, docs/perf.md), off on the CPU.
+    CUDA (same data; 1.09x at draft-data's shape on the H200,
+    docs/results/2026-12-03-h200-datagen-split-mixed-steps.md), off on the CPU.
 
     rank / world_size / sync: this process is one of world_size ranks (torchrun) writing one dataset into a
     directory they all see: every rank filters the same prompts into the same chunks and generates chunk c when
