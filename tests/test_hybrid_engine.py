@@ -93,8 +93,8 @@ SCENARIOS = {
 
 
 def proposer(pair, method: str):
-    return {"dflash": lambda: DFlashProposer(pair.draft), "dflash2": lambda: DFlashProposer(pair.draft2), "ngram": lambda: NgramProposer(7, 3),
-            "draft-model": lambda: DraftModelProposer(pair.draft_model, 4)}[method]()
+    return {"dflash": lambda: DFlashProposer(pair.draft), "dflash2": lambda: DFlashProposer(pair.draft2),
+            "ngram": lambda: NgramProposer(7, 3), "draft-model": lambda: DraftModelProposer(pair.draft_model, 4)}[method]()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])

@@ -13,8 +13,8 @@ from blockspec.attention.backends import get_backend
 from blockspec.config import AUTO, OFF, EngineConfig
 from blockspec.engine.model_runner import ModelRunner, Pending
 from blockspec.engine.observer import StepObserver
-from blockspec.engine.recurrent import recurrent_state, without_prefix_caching
 from blockspec.engine.outputs import FinishReason, Record, RequestOutput, StepTrace
+from blockspec.engine.recurrent import recurrent_state, without_prefix_caching
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, StepResult, check_prompt
 from blockspec.engine.status import EngineLimits, EngineStats

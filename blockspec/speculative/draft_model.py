@@ -38,8 +38,9 @@ class DraftModelProposer(Proposer):
         cfg = draft.config
         if callable(getattr(draft.model, "recurrent_shape", None)):
             # its in-flight rows would need a recurrent state of their own, rolled back after every verify
-            raise ConfigError(f"{draft.source.name}: a hybrid model ({cfg.architecture}: linear-attention layers) is not "
-                              f"supported as a draft model; use a dense one or a DFlash drafter", field="draft_model")
+            raise ConfigError(f"{draft.source.name}: a hybrid model ({cfg.architecture}: linear-attention layers) is "
+                              f"not supported as a draft model; use a dense one or a DFlash drafter",
+                              field="draft_model")
         why = draft_model_refusal(draft.model)  # sinks, a family's own attention: not what _InFlight computes
         if why is not None:
             raise ConfigError(f"{draft.source.name}: {why}", field="draft_model")
