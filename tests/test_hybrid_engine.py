@@ -93,8 +93,9 @@ SCENARIOS = {
 
 
 def proposer(pair, method: str):
-    return {"dflash": lambda: DFlashProposer(pair.draft), "dflash2": lambda: DFlashProposer(pair.draft2),
-            "ngram": lambda: NgramProposer(7, 3), "draft-model": lambda: DraftModelProposer(pair.draft_model, 4)}[method]()
+    makers = {"dflash": lambda: DFlashProposer(pair.draft), "dflash2": lambda: DFlashProposer(pair.draft2),
+              "ngram": lambda: NgramProposer(7, 3), "draft-model": lambda: DraftModelProposer(pair.draft_model, 4)}
+    return makers[method]()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
