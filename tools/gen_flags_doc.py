@@ -118,10 +118,11 @@ def render(classes: Sequence[tuple[type, str]] | None = None) -> str:
         "The flags every command draws from the config dataclasses, one table per class. A command takes the groups "
         "it needs (`blockspec CMD --help` lists its own); a few commands word a flag their own way (`generate` and "
         "`bench` call `--max-num-seqs` `--max-batch-size`). The field column is the name the Python API takes "
-        "(`LLM(...)` keyword arguments, `speculative_config={...}`, `SamplingParams(...)`) and its default there; "
-        "where a command fills an unset field itself, the help says the command's default (`--draft-len-schedule`: "
-        "auto). \"methods\" names the only speculative methods that read a field, where it has such a list (set "
-        "with another method, it is refused naming the flag). What the modes mean: [usage.md](usage.md).",
+        "(`LLM(model, load=LoadConfig(...), speculative={...}, engine=EngineConfig(...))`, `SamplingParams(...)`) and "
+        "its default there; where a command fills an unset field itself, the help says the command's default "
+        "(`--draft-len-schedule`: auto). \"methods\" names the only speculative methods that read a field, where "
+        "it has such a list (set with another method, it is refused naming the flag). What the modes mean: "
+        "[usage.md](usage.md).",
     ]
     return "\n".join(intro) + "\n\n" + "\n\n".join(tables) + "\n"
 
