@@ -164,6 +164,24 @@ def _dense_attention(lm, pos: torch.Tensor):
     return PagedTargetAttention(pool, batch)
 
 
+def test_quantized_target_on_the_rowwise_attention(pair):
+    """A quantized CPU target (cpu_quant auto: bf16-rounded activations) runs the row-wise reference attention, each
+    verify row computed as a one-row step with its window and sinks: speculative output equals plain decoding of the
+    same quantized target token for token."""
+    lm = load_model(str(pair.root / "target"), dataclasses.replace(CPU, cpu_quant="auto"))
+    if lm.plan.cpu_quant == "off":
+        pytest.skip("no quantized kernel on this CPU")
+    assert lm.plan.attention == "rowwise"
+    draft = load_draft(SpeculativeConfig(draft_model=str(pair.root / "draft")), lm)  # random weights
+    prompts, _ = workload(4, seed=3)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
+    engine = EngineConfig(max_num_seqs=3, block_size=4)
+    want = [o.token_ids for o in LLM.from_loaded(lm, None, engine=engine).generate(prompts, params, use_tqdm=False)]
+    for proposer in (NgramProposer(7, 3), DFlashProposer(draft)):
+        outs = Run(LLM.from_loaded(lm, proposer, engine=engine)).run(prompts, params, stagger=1)
+        assert [o.token_ids for o in outs] == want, proposer.name
+
+
 # ---- the Triton target attention (interpreter on the CPU) ---------------------------------------------------------
 
 
