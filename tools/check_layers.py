@@ -25,8 +25,9 @@ PKG = "blockspec"
 ENGINE_PARTS = {"runner", "overlap"}  # the step paths and the overlap switch: EngineConfig and public seams
 
 
-def layers(doc: Path = ROOT / "docs" / "ARCHITECTURE.md") -> dict[str, int]:
+def layers(doc: Path | None = None) -> dict[str, int]:
     """unit ("errors", "layers", "llm") -> its layer index, lowest 0, from the drawing."""
+    doc = doc or ROOT / "docs" / "ARCHITECTURE.md"
     block = re.search(r"```\n(.*?)```", doc.read_text(), re.S)
     if block is None:
         raise SystemExit(f"{doc}: no fenced block with the layers")
@@ -142,13 +143,15 @@ def engine_reach_ins() -> list[str]:
         rel = path.relative_to(ROOT)
         if rel.parts[:2] == (PKG, "engine"):
             continue
+        found = []
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Attribute):
                 continue
             owner = node.value
             owner_name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
             if owner_name == "engine" and (node.attr in ENGINE_PARTS or node.attr.startswith("_")):
-                out.append(f"{rel}:{node.lineno}: reads engine.{node.attr}")
+                found.append((node.lineno, f"{rel}:{node.lineno}: reads engine.{node.attr}"))
+        out += [line for _, line in sorted(found)]
     return out
 
 
