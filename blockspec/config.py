@@ -59,7 +59,7 @@ class SpeculativeConfig:
     # (blockspec/layers/cpu_packed.py). The target still verifies every draft in its own dtype: outputs are those of
     # plain decoding; only the drafts (acceptance) may differ. None (unset): the platform plan turns it on where the
     # CPU has bf16 units (loading/platform.py). Under a target on the native q4 stack the native drafter
-    # (blockspec/native/draft.py) runs instead.
+    # (native/draft.c through loading/native_stack.py) runs instead.
     cpu_bf16_draft: bool | None = field(default=None, metadata={
         "methods": ("dflash",),
         "help": "CPU: run the drafter in bf16 on weights packed once for oneDNN (needs AVX512-BF16 or AMX); the "

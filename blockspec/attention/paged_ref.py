@@ -173,8 +173,8 @@ class RowwiseTargetAttention(PagedTargetAttention):
 
     @property
     def native_paged(self) -> tuple[KVPool, PagedBatch] | None:
-        """What a native layer stack (blockspec/native/decoder.py) needs to run this attention itself: an fp32 pool
-        on the CPU; it computes each row alone as this class does."""
+        """What a native layer stack (loading/native_stack.py over native/decoder.c) needs to run this attention
+        itself: an fp32 pool on the CPU; it computes each row alone as this class does."""
         cpu_f32 = self.pool.k.device.type == "cpu" and self.pool.k.dtype == torch.float32
         return (self.pool, self.batch) if cpu_f32 else None
 

@@ -28,7 +28,7 @@ from blockspec.models.config import parse_dtype
 from blockspec.native import lib
 
 # the target's linears
-NATIVE_STACK = "native q4 stack"  # every layer in one native call per forward (native/decoder.py)
+NATIVE_STACK = "native q4 stack"  # every layer in one native call per forward (loading/native_stack.py)
 NATIVE_Q4 = "native q4 linears"  # each linear on the native Q4 x Q8 kernel, the layers in torch
 TORCH_INT4 = "torch int4"  # aten._weight_int4pack_mm_for_cpu, where the native kernels do not build
 NATIVE_Q8 = "native q8 linears"
@@ -37,7 +37,7 @@ PACKED = "oneDNN packed"
 INVARIANT = "batch-invariant"
 PLAIN = "plain"
 # the drafter's
-DRAFT_NATIVE = "native Q8"  # native/draft.py, under a target on the native stack
+DRAFT_NATIVE = "native Q8"  # native/draft.c (loading/native_stack.NativeDraft), under a target on the native stack
 DRAFT_BF16 = "bf16 packed"
 DRAFT_PACKED = "packed"  # oneDNN-packed in the target's dtype, beside a packed target
 DRAFT_PLAIN = "plain"
@@ -197,8 +197,8 @@ def _target(mode: str, load: LoadConfig, native: bool) -> str:
 
 def _drafting(p: PlatformPlan, spec: SpeculativeConfig, load: LoadConfig, device: torch.device) -> PlatformPlan:
     """The drafting defaults: on the CPU a DFlash drafter's speed options the user left unset take the demo's
-    measured settings (docs/performance.md): full-block drafting (with the K the calibration picks, below block_size - 1,
-    the drafts of the block shape the drafter was trained on are accepted more often, and 16 draft rows cost little
+    measured settings (docs/performance.md): full-block drafting (with the K the calibration picks, below
+    block_size - 1, the drafts of the block shape the drafter was trained on are accepted more often, and 16 draft rows cost little
     next to verifying) and, where the CPU has bf16 units, the drafter in bf16 (a cheaper draft pass; the target
     still verifies in its own dtype, so outputs do not change). Other devices and methods keep the config's own."""
     method = draft_method(spec)
