@@ -199,8 +199,9 @@ def _drafting(p: PlatformPlan, spec: SpeculativeConfig, load: LoadConfig, device
     """The drafting defaults: on the CPU a DFlash drafter's speed options the user left unset take the demo's
     measured settings (docs/performance.md): full-block drafting (with the K the calibration picks, below
     block_size - 1, the drafts of the block shape the drafter was trained on are accepted more often, and 16 draft
-    rows cost little next to verifying) and, where the CPU has bf16 units, the drafter in bf16 (a cheaper draft pass; the target
-    still verifies in its own dtype, so outputs do not change). Other devices and methods keep the config's own."""
+    rows cost little next to verifying) and, where the CPU has bf16 units, the drafter in bf16 (a cheaper draft pass;
+    the target still verifies in its own dtype, so outputs do not change). Other devices and methods keep the
+    config's own."""
     method = draft_method(spec)
     changes: dict[str, bool] = {}
     if device.type == "cpu" and method == "dflash":
