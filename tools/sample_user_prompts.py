@@ -1,4 +1,3 @@
-from blockspec.config import EngineConfig
 """User prompts written by the target itself, for the bundled drafter's data: the chat template is filled up to the
 start of a user turn and the model samples what a user would say there (the "Magpie" way of self-prompting an
 instruction-tuned model), then `blockspec draft-data` has it answer them as usual.
@@ -6,9 +5,9 @@ instruction-tuned model), then `blockspec draft-data` has it answer them as usua
 Why: the drafter accepts far more on held-out text like its training prompts than on the evaluation sets (walk tau
 by prompt source, docs/training.md), and ShareGPT, the only real chat source here, is used up. An instruct model's
 own user turns follow what its instruction tuning taught it users ask (writing, role play, coding, math, advice,
-...), the kind of prompt MT-Bench and HumanEval ask. Requests that run into --max-tokens (no end of turn), very short ones,
-evaluation prompts and duplicates are dropped. --user-start TEXT makes every request begin with TEXT (e.g. "Write a
-Python function that") and samples the rest. Usage (GPU for tens of thousands):
+...), the kind of prompt MT-Bench and HumanEval ask. Requests that run into --max-tokens (no end of turn), very
+short ones, evaluation prompts and duplicates are dropped. --user-start TEXT makes every request begin with TEXT
+(e.g. "Write a Python function that") and samples the rest. Usage (GPU for tens of thousands):
   python tools/sample_user_prompts.py out.jsonl [--target SRC] [--num N] [--temperature T] [--top-p P]
       [--max-tokens N] [--seed S] [--batch N] [--user-start TEXT]"""
 
@@ -36,6 +35,7 @@ def sample_user_prompts(lm, num: int, *, temperature: float = 1.0, top_p: float 
     """(the requests that ended their turn with >= MIN_CHARS characters of their own after user_start, in sampling
     order; how many ended). A turn ends at one of the model's stop tokens, as it does in chat templates whose user
     turns close with the end-of-turn token the model also emits (ChatML, Llama 3, Gemma)."""
+    from blockspec.config import EngineConfig
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
 

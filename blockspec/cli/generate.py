@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     cap = min(len(prompt_ids) + params.max_tokens, lm.config.max_position_embeddings) + K + 1
     if models.draft is not None:
         cap = max(cap, CALIBRATION_KV_TOKENS)
-    engine = EngineConfig(**{k: v for k, v in given.items() if k in ("enforce_eager", "tensor_parallel_size")},
+    one_request = ("enforce_eager", "tensor_parallel_size", "overlap")  # the engine flags one request can use
+    engine = EngineConfig(**{k: v for k, v in given.items() if k in one_request},
                           **_schedule(args), max_num_seqs=1)
     engine = dataclasses.replace(engine, num_kv_blocks=max(2, -(-cap // engine.block_size) + 1))
     llm = LLM.from_loaded(lm, models.draft, engine=engine, sources=models.sources)
