@@ -200,8 +200,15 @@ class DecoderForCausalLM(nn.Module):
             if i - 1 in wanted:  # the stream after layer i-1: the sum layer i's fused add-norm just formed
                 taps[wanted[i - 1]] = h_in
         hidden, _ = self.norm.add_forward(delta, h)
+        return self.output(hidden, taps, wanted, logit_rows)
+
+    def output(self, hidden: torch.Tensor, taps: list[torch.Tensor | None], wanted: dict[int, int],
+               logit_rows: torch.Tensor | None) -> ForwardOutput:
+        """Every family's forward ends here: hidden [T, hidden] final-normed; taps filled for every tapped layer but
+        the last, whose tap is `hidden` (HF's hidden_states[n] is the final-normed output; drafters are trained on
+        that); logits at logit_rows."""
         last = len(self.layers) - 1
-        if last in wanted:  # HF's hidden_states[n] is the final-normed output; drafters are trained on that
+        if last in wanted:
             taps[wanted[last]] = hidden
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return ForwardOutput(

@@ -227,13 +227,7 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             h = layer(h, *rope[layer.kind], attn, None if per_layer is None else per_layer[:, i])
             if i in wanted:
                 taps[wanted[i]] = h
-        hidden = self.norm(h)
-        if len(self.layers) - 1 in wanted:  # HF's last hidden state is final-normed; drafters are trained on that
-            taps[wanted[len(self.layers) - 1]] = hidden
-        rows = hidden if logit_rows is None else hidden[logit_rows]
-        return ForwardOutput(logits=self.compute_logits(rows),
-                             taps=torch.cat(taps, dim=-1) if taps else None,  # type: ignore[arg-type]
-                             hidden=hidden)
+        return self.output(self.norm(h), taps, wanted, logit_rows)
 
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A conditional-generation checkpoint's language model (model.language_model.* -> model.*), its media towers

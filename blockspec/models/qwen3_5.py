@@ -241,12 +241,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             if i - 1 in wanted:  # the stream after layer i-1 (as DecoderForCausalLM.forward)
                 taps[wanted[i - 1]] = h_in
         hidden, _ = self.norm.add_forward(delta, h)
-        if len(self.layers) - 1 in wanted:  # HF's last hidden state is final-normed
-            taps[wanted[len(self.layers) - 1]] = hidden
-        rows = hidden if logit_rows is None else hidden[logit_rows]
-        return ForwardOutput(logits=self.compute_logits(rows),
-                             taps=torch.cat(taps, dim=-1) if taps else None,  # type: ignore[arg-type]
-                             hidden=hidden)
+        return self.output(hidden, taps, wanted, logit_rows)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
