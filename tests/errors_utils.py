@@ -35,9 +35,17 @@ def copy_ckpt(ckpt, tmp_path):
 
 
 def edit_config(d: Path, **changes) -> None:
+    """config.json's fields set to `changes`; a field given None is removed."""
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
-    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+
+
+def edited_copy(ckpt: Path, dst: Path, changes: dict) -> Path:
+    """A copy of the checkpoint directory `ckpt` at `dst` with its config.json edited (edit_config)."""
+    d = Path(shutil.copytree(ckpt, dst))
+    edit_config(d, **changes)
+    return d
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:

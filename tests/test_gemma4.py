@@ -7,8 +7,6 @@ multimodal checkpoint's language model; bad configs failing in one line naming t
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from blockspec.attention.paged_ref import RowwiseTargetAttention
 from blockspec.errors import ConfigError
 from blockspec.kv.pool import CacheShape
 from blockspec.loading.loader import LoadConfig, load_model
+from errors_utils import edited_copy
 from paged_utils import TritonTargetAttention, assert_matches
 
 CPU = LoadConfig(device="cpu", with_tokenizer=False)
@@ -177,14 +176,7 @@ def ckpt(tmp_path_factory) -> Path:
     ({"final_logit_softcapping": 0}, "final_logit_softcapping", "must be a positive number, got 0"),
 ])
 def test_bad_configs_fail_in_one_line_naming_the_field(ckpt, tmp_path, edit, field, needle):
-    d = Path(shutil.copytree(ckpt, tmp_path / "m"))
-    cfg = json.loads((d / "config.json").read_text())
-    for k, v in edit.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = edited_copy(ckpt, tmp_path / "m", edit)
     with pytest.raises(ConfigError) as e:
         load_model(str(d), CPU)
     msg = str(e.value)

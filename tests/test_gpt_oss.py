@@ -19,6 +19,7 @@ from blockspec.attention.paged_ref import RowwiseTargetAttention
 from blockspec.errors import ConfigError, ModelLoadError
 from blockspec.loading.loader import LoadConfig, load_model
 from blockspec.loading.mxfp4 import FP4_VALUES, dequantize, dequantized
+from errors_utils import edited_copy
 from paged_utils import assert_matches
 
 CPU = LoadConfig(device="cpu", with_tokenizer=False)
@@ -292,14 +293,7 @@ def ckpt(tmp_path_factory) -> Path:
     ({"swiglu_alpha": -1}, "swiglu_alpha", "must be a positive number, got -1"),
 ])
 def test_bad_configs_fail_in_one_line_naming_the_field(ckpt, tmp_path, edit, field, needle):
-    d = Path(shutil.copytree(ckpt, tmp_path / "m"))
-    cfg = json.loads((d / "config.json").read_text())
-    for k, v in edit.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = edited_copy(ckpt, tmp_path / "m", edit)
     with pytest.raises(ConfigError) as e:
         load_model(str(d), CPU)
     msg = str(e.value)

@@ -26,7 +26,7 @@ from blockspec.sampling import SamplingParams
 from blockspec.speculative.ngram import NgramProposer
 from dflash_utils import make_zlab_draft
 from engine_utils import assert_equal_plain, one_device_and_tp2, spec_consistency
-from errors_utils import run_cli
+from errors_utils import edited_copy, run_cli
 from moe_utils import (VOCAB, assert_matches_transformers, make_hf_moe, moe_block, prefill_decode,
                        quantize_experts, save_moe, write_moe_gguf)
 
@@ -263,13 +263,6 @@ def test_hub_style_config_loads(moe_ckpt, tmp_path):
     ({"use_sliding_window": True}, "field 'use_sliding_window' is true; sliding-window attention is not supported"),
 ])
 def test_bad_moe_configs_fail_in_one_line(moe_ckpt, tmp_path, capsys, edit, needle):
-    d = Path(shutil.copytree(moe_ckpt, tmp_path / "m"))
-    cfg = json.loads((d / "config.json").read_text())
-    for k, v in edit.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = edited_copy(moe_ckpt, tmp_path / "m", edit)
     _, msg = run_cli(capsys, "--model", str(d), "--prompt-ids", "1,2", "--device", "cpu")
     assert needle in msg and str(d) in msg, msg
