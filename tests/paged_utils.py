@@ -12,16 +12,11 @@ import torch
 
 from blockspec.attention.backends import TritonTargetAttention  # the engine's; test_gemma4 takes it from here
 from blockspec.attention.paged_ref import PagedBatch, PagedTargetAttention
-from blockspec.kv.pool import CacheShape, KVPool
+from blockspec.kv.pool import KVPool
 
 BLOCK = 4
 
 
-def cache_shape(lm) -> CacheShape:
-    """The pool the model asks for (a family with layers of several shapes says so), else the config's."""
-    own = getattr(lm.model, "kv_cache_shape", None)
-    cfg = lm.config
-    return own() if own is not None else CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
 
 
 def batch_of(runs: list[tuple[list[int], int, int]], device: torch.device | str = "cpu") -> PagedBatch:
@@ -45,7 +40,7 @@ def prefill_decode(lm, prompts: Sequence[torch.Tensor], splits: Sequence[int], t
                    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Per prompt (logits [len, vocab], taps [len, ...] or None): prompts[i][:splits[i]] prefilled with the others'
     in one batch, then one row per unfinished sequence per step."""
-    shape = cache_shape(lm)
+    shape = lm.model.kv_cache_shape()  # every family says what its pool holds
     blocks_each = [-(-len(p) // BLOCK) for p in prompts]
     order = list(range(sum(blocks_each) + 2))
     random.Random(seed).shuffle(order)  # blocks scattered through the pool: the tables are read

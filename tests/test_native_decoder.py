@@ -17,6 +17,7 @@ from blockspec.native import q4
 from blockspec.speculative.ngram import NgramProposer
 from engine_utils import greedy
 from hf_utils import make_hf_model, save_hf_model
+from paged_utils import batch_of
 
 pytestmark = pytest.mark.skipif(q4.library() is None, reason="no C compiler here: q4 runs torch's layers")
 BLOCK = 4
@@ -39,20 +40,6 @@ def new_pool(lm) -> KVPool:
                   torch.float32, torch.device("cpu"))
 
 
-def batch(runs: list[tuple[list[int], int, int]]) -> PagedBatch:
-    """runs: per sequence (its block table, first position, rows) -> the batch of those rows."""
-    pos, slots, starts = [], [], [0]
-    for table, first, n in runs:
-        p = list(range(first, first + n))
-        pos += p
-        slots += [table[i // BLOCK] * BLOCK + i % BLOCK for i in p]
-        starts.append(starts[-1] + n)
-    width = max(len(t) for t, _, _ in runs)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t, _, _ in runs])
-    return PagedBatch(torch.tensor(pos), torch.tensor(slots), torch.tensor(starts, dtype=torch.int32),
-                      torch.tensor([f + n for _, f, n in runs], dtype=torch.int32), tables, max(n for *_, n in runs))
-
-
 def forward(lm, pool: KVPool, b: PagedBatch, ids: list[int], taps=(0, 2)):
     with torch.no_grad():
         out = lm.model(torch.tensor(ids), b.positions, RowwiseTargetAttention(pool, b), tap_layers=taps)
@@ -69,8 +56,8 @@ def test_native_stack_computes_the_torch_layers(lm):
     for stack in (native, None):
         lm.model.executor = stack
         pool = new_pool(lm)
-        prefill = forward(lm, pool, batch([(TABLE_A, 0, 9)]), TOKENS[:9])
-        verify = forward(lm, pool, batch([(TABLE_A, 9, 5)]), TOKENS[9:14])
+        prefill = forward(lm, pool, batch_of([(TABLE_A, 0, 9)]), TOKENS[:9])
+        verify = forward(lm, pool, batch_of([(TABLE_A, 9, 5)]), TOKENS[9:14])
         outs.append([torch.cat([prefill[0], verify[0]]), torch.cat([prefill[1], verify[1]])])
     lm.model.executor = native
     for got, want in zip(*outs):  # the logits: the int8 head rounds its output to bf16 (~0.4 % steps)
@@ -87,10 +74,10 @@ def test_rows_alone_equal_rows_together_at_every_count_and_thread_count(lm):
         for t in (1, 2):
             torch.set_num_threads(t)
             pool = new_pool(lm)
-            forward(lm, pool, batch([(TABLE_A, 0, 9), (TABLE_B, 0, 4)]), TOKENS[:9] + TOKENS[12:16])
-            alone = [forward(lm, pool, batch([(TABLE_A, 9 + i, 1)]), [TOKENS[9 + i]]) for i in range(17)]
+            forward(lm, pool, batch_of([(TABLE_A, 0, 9), (TABLE_B, 0, 4)]), TOKENS[:9] + TOKENS[12:16])
+            alone = [forward(lm, pool, batch_of([(TABLE_A, 9 + i, 1)]), [TOKENS[9 + i]]) for i in range(17)]
             for M in (1, 2, 5, 16, 17):
-                logits, taps = forward(lm, pool, batch([(TABLE_B, 4, 3), (TABLE_A, 9, M)]),
+                logits, taps = forward(lm, pool, batch_of([(TABLE_B, 4, 3), (TABLE_A, 9, M)]),
                                        TOKENS[16:19] + TOKENS[9:9 + M])
                 assert torch.equal(logits[3:], torch.cat([a[0] for a in alone[:M]])), (t, M)
                 assert torch.equal(taps[3:], torch.cat([a[1] for a in alone[:M]])), (t, M)
