@@ -16,6 +16,12 @@ DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_DRAFT_TOKENS = 5  # K without a drafter's block size to derive it from
 AUTO = "auto"  # EngineConfig.draft_len_schedule: measured on this machine (engine/calibrate.py)
 OFF = "off"  # EngineConfig.draft_len_schedule: K throughout, even where the drafter carries a table
+
+
+def default_draft_len_schedule(num_draft_tokens: int | None) -> str:
+    """The schedule a command (or LLM) runs when none is given: an explicit K means K throughout (OFF), as in vLLM
+    and SGLang; without one, AUTO (calibrated here, re-picked from the live acceptance)."""
+    return OFF if num_draft_tokens is not None else AUTO
 STEP_PATHS = ("auto", "varlen")  # EngineConfig.step_path
 
 
@@ -39,8 +45,9 @@ class SpeculativeConfig:
         "methods": ("ngram",), "metavar": "N",
         "help": f"ngram: match the last n <= N tokens (default {DEFAULT_NGRAM_MAX})"})
     num_draft_tokens: int | None = field(default=None, metadata={
-        "help": "K drafts per block (default: block_size - 1); under --draft-len-schedule auto the most the "
-                "calibration may choose"})
+        "help": "K drafts per block, K throughout unless --draft-len-schedule is given too (then the most it may "
+                "choose); default: block_size - 1 as that most, the draft length picked as generation goes "
+                "(--draft-len-schedule auto)"})
     # None -> the draft's dflash_config, then its top level (loading/dflash_options.py)
     mask_token_id: int | None = field(default=None, metadata={"methods": ("dflash",)})
     target_layer_ids: list[int] | None = field(default=None, metadata={"methods": ("dflash",)})
@@ -164,8 +171,9 @@ class EngineConfig:
     draft_len_schedule: dict[int, int] | str | None = field(default=None, metadata={
         "metavar": "auto|off|B:K,...",
         "help": "draft length by batch size, e.g. 1:15,16:7,64:3 (K of the largest B <= the running batch); auto "
-                "(default): measured on this machine once and cached, K = 0 where drafting does not pay; off: K "
-                "throughout"})
+                "(default without --num-draft-tokens): step costs measured on this machine once and cached, K "
+                "re-picked as generation goes from the acceptance it sees, K = 0 where drafting does not pay by a "
+                "margin; off: K throughout"})
     # "torch" (reference) | "triton" (GPU kernels) | "auto": triton on CUDA
     attention_backend: str = field(default="auto", metadata={"help": "torch | triton | auto (triton on CUDA)"})
     # True: the decode step runs the same code uncaptured

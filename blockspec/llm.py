@@ -12,7 +12,7 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm import tqdm
 
-from blockspec.config import AUTO, EngineConfig, SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig, default_draft_len_schedule
 from blockspec.distributed.factory import make_engine
 from blockspec.distributed.worker import ModelSpec
 from blockspec.engine.outputs import RequestOutput
@@ -75,11 +75,14 @@ class LLM:
         """model: an HF directory, .gguf file or hub id (None: the bundled default). load: where and how the target
         runs (LoadConfig: device, dtype, cpu_packed, cpu_quant, batch_invariant). speculative: the drafter (a
         SpeculativeConfig or its fields as a dict; None: plain decoding). engine: the batched engine
-        (EngineConfig); its draft_len_schedule None is read as "auto" here: a user who turns speculation on never
-        gets a slower engine (K per batch size measured on this machine, engine/calibrate.py)."""
+        (EngineConfig); its draft_len_schedule None is read as "auto" here (K per batch size from the costs measured
+        on this machine and the acceptance measured as it runs: engine/calibrate.py, speculative/draft_len.py), or
+        as "off" where speculative names num_draft_tokens (an explicit K means K)."""
         engine = engine or EngineConfig()
         if engine.draft_len_schedule is None:
-            engine = replace(engine, draft_len_schedule=AUTO)
+            k = speculative.get("num_draft_tokens") if isinstance(speculative, dict) else getattr(
+                speculative, "num_draft_tokens", None)
+            engine = replace(engine, draft_len_schedule=default_draft_len_schedule(k))
         models = load_models(model, load, speculative, engine.tensor_parallel_size)
         self._start(models.lm, models.draft, engine, None, models.sources)
 

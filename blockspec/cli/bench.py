@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_speculative_args, add_speed_args, engine_config, load_config, report_plan,
                                  speculative_config)
-from blockspec.config import AUTO, EngineConfig
+from blockspec.config import EngineConfig, default_draft_len_schedule
 from blockspec.data.eval_prompts import EVAL_SETS
 
 if TYPE_CHECKING:
@@ -107,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
     spec = speculative_config(args)
     chosen = prompt_set(args)
-    # the spec engine runs the draft length schedule measured on this machine unless one is given
-    engine = EngineConfig(**{"draft_len_schedule": AUTO, **engine_config(args)})
+    # the spec engine runs the draft length schedule measured on this machine unless one (or K) is given
+    default = default_draft_len_schedule(getattr(args, "num_draft_tokens", None))
+    engine = EngineConfig(**{"draft_len_schedule": default, **engine_config(args)})
     models = load_models(args.model, load_config(args, with_tokenizer=chosen != RANDOM), spec,
                          engine.tensor_parallel_size)
     prompts, described = bench_prompts(models.lm, args, chosen)
@@ -137,6 +138,9 @@ def _text(report: dict) -> str:
             if r.get("draft_len_schedule"):
                 lines.append("       draft length schedule (batch:K) "
                              + ", ".join(f"{b}:{k}" for b, k in sorted(r["draft_len_schedule"].items())))
+            if r.get("draft_lens_used"):
+                lines.append("       draft lengths used (K:steps, engine warm-up included) " + "; ".join(
+                    ", ".join(f"{k}:{n}" for k, n in sorted(u.items())) for u in r["draft_lens_used"]))
             if missed := sum(len(c) for c in r["runs_kernel_compiles"]):
                 lines.append(f"       {missed} Triton compiles inside the timed runs: this speed is understated")
     if "speedup" in report:

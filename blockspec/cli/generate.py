@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from blockspec.cli.flags import (add_device_args, add_engine_args, add_max_batch_size, add_max_tokens, add_model_arg,
                                  add_sampling_args, add_speculative_args, add_speed_args, engine_config, load_config,
                                  report_llm, sampling_params, speculative_config)
-from blockspec.config import AUTO, EngineConfig
+from blockspec.config import EngineConfig, default_draft_len_schedule
 from blockspec.errors import BlockspecError
 
 # KV slots of a one-prompt engine with a drafter: room for the calibration's acceptance prompts
@@ -151,8 +151,10 @@ def _run_prompts_file(args: argparse.Namespace, models: Models, params: Sampling
 
 
 def _schedule(args: argparse.Namespace) -> dict:
-    """The draft length schedule asked (--draft-len-schedule), by default measured on this machine."""
-    return {"draft_len_schedule": engine_config(args).get("draft_len_schedule", AUTO)}
+    """The draft length schedule asked (--draft-len-schedule); by default K throughout where --num-draft-tokens is
+    given, else measured on this machine."""
+    default = default_draft_len_schedule(getattr(args, "num_draft_tokens", None))
+    return {"draft_len_schedule": engine_config(args).get("draft_len_schedule", default)}
 
 
 def _prompt(args: argparse.Namespace, tok, model_name: str) -> list[int]:
@@ -193,6 +195,7 @@ def _result(tok, prompt_ids: list[int], out: RequestOutput, elapsed: float, llm:
         result["acceptance_lengths"] = out.acceptance_lengths
         result["mean_acceptance_length"] = out.mean_acceptance_length
         result["draft_len_schedule"] = llm.engine.config.draft_len_schedule
+        result["draft_lens_used"] = dict(sorted(llm.engine.draft_len.used.items()))  # K -> steps, this run
         if trace:
             result["steps"] = [s.to_dict() for s in out.steps or []]
     elif llm.calibration is not None and llm.calibration.drafts_nothing:  # --draft given, the calibration dropped it
@@ -211,7 +214,9 @@ def _print_result(args: argparse.Namespace, result: dict, tok, streamed: bool) -
     elif not streamed:
         print(result["text"], end="")
     tau = f", tau {result['mean_acceptance_length']:.2f}" if result.get("mean_acceptance_length") else ""
-    print(f"\n[{result['num_generated_tokens']} tokens, {result['tokens_per_second']} tok/s{tau}, "
+    used = result.get("draft_lens_used")
+    ks = f", K used (K:steps) {', '.join(f'{k}:{n}' for k, n in used.items())}" if used else ""
+    print(f"\n[{result['num_generated_tokens']} tokens, {result['tokens_per_second']} tok/s{tau}{ks}, "
           f"finish: {result['finish_reason']}]", file=sys.stderr)
     for step in result.get("steps") or []:
         print(json.dumps(step), file=sys.stderr)

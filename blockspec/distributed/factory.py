@@ -63,7 +63,7 @@ def make_engine(lm: LoadedModel, draft: Proposer | LoadedDraft | None, config: E
         return BuiltEngine(engine, lm)
     calibration = auto_schedule(engine)
     if not calibration.drafts_nothing:
-        engine.set_draft_len_schedule(calibration.schedule)
+        engine.set_draft_len_policy(calibration.policy(engine.K), calibration.schedule)
         return BuiltEngine(engine, lm, calibration)
     # no draft length pays at any batch size on this machine: the plain engine, since a drafter kept at K = 0 still
     # appends its context every step for nothing

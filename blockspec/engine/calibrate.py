@@ -27,6 +27,7 @@ from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.sequence import SeqStatus
 from blockspec.loading.platform import cpu_model
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.draft_len import DraftLenPolicy, FixedDraftLen, LiveDraftLen
 from blockspec.speculative.schedule import derive_schedule, expected_tokens, fingerprint, schedule_for_batches
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -53,12 +54,20 @@ class Calibration:
         """K = 0 at every batch size: the engine runs without the drafter (blockspec/llm.py)."""
         return bool(self.schedule) and not any(self.schedule.values())
 
+    def policy(self, max_k: int) -> DraftLenPolicy:
+        """What picks K as the engine runs: the live policy (speculative/draft_len.py: these costs, acceptance as it
+        is measured) where the step costs of K = 0 and the acceptance are known, else this schedule as it is."""
+        if self.per_position and self.step_ms and all(0 in by_k for by_k in self.step_ms.values()):
+            return LiveDraftLen(self.step_ms, self.per_position, max_k)
+        return FixedDraftLen(self.schedule, max_k)
+
     def describe(self) -> str:
         sched = ", ".join(f"{b}:{k}" for b, k in sorted(self.schedule.items()))
         how = {"measured": f"measured on {self.device} in {self.seconds:.1f}s", "cached": f"cached for {self.device}",
                "drafter": f"the drafter's table for {self.device}"}[self.source]
         off = "; no draft length pays here: decoding without the drafter" if self.drafts_nothing else ""
-        return f"draft length schedule (batch:K) {sched} ({how}){off}"
+        live = ", re-picked from the live acceptance" if self.per_position and self.step_ms and not off else ""
+        return f"draft length schedule (batch:K) {sched} ({how}){live}{off}"
 
 
 def device_name(device: torch.device) -> str:
@@ -217,7 +226,8 @@ def auto_schedule(engine: LLMEngine, use_cache: bool = True, prompts: list[list[
     device = next(engine.lm.model.parameters()).device
     recorded = engine.proposer.default_draft_len_schedule(device)
     if recorded is not None:
-        return Calibration(recorded, "drafter", device_name(device))
+        return Calibration(recorded, "drafter", device_name(device), engine.proposer.recorded_acceptance() or [],
+                           engine.proposer.recorded_step_ms(device) or {})
     batches = [b for b in BATCHES if b <= engine.config.max_num_seqs]
     if engine.config.max_num_seqs not in batches and engine.config.max_num_seqs < max(BATCHES):
         batches.append(engine.config.max_num_seqs)

@@ -27,6 +27,7 @@ from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.loader import LoadedModel
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy, TargetAcceptance
+from blockspec.speculative.draft_len import DraftLenPolicy, FixedDraftLen
 from blockspec.speculative.proposer import Proposer, StepModels
 from blockspec.speculative.registry import as_proposer
 from blockspec.speculative.stats import SpecStats
@@ -110,8 +111,20 @@ class LLMEngine:
         self.runner.observe(observer)
 
     def set_draft_len_schedule(self, schedule: dict[int, int] | None) -> None:
-        """{batch: K} from the next schedule on (None: K throughout); calibration sets it once measured."""
+        """{batch: K} from the next schedule on (None: K throughout); calibration sets it while it measures."""
         self.config = self.scheduler.config = replace(self.config, draft_len_schedule=schedule)
+        self.scheduler.draft_len = FixedDraftLen(schedule, self.K)
+
+    def set_draft_len_policy(self, policy: DraftLenPolicy, schedule: dict[int, int] | None) -> None:
+        """K per step from `policy` from the next schedule on (speculative/draft_len.py: the live one re-picks K from
+        the acceptance it sees); `schedule`: the {batch: K} it starts from, what config reports."""
+        self.set_draft_len_schedule(schedule)
+        self.scheduler.draft_len = policy
+
+    @property
+    def draft_len(self) -> DraftLenPolicy:
+        """The draft length policy the scheduler asks (its `used`: the K of every step scheduled so far)."""
+        return self.scheduler.draft_len
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     speculate: bool = True) -> str:
@@ -215,7 +228,10 @@ class LLMEngine:
         with obs.stage("collect"):
             results = [r for r in self.runner.collect(prev) if not r.seq.finished]  # finished or aborted meanwhile
         with obs.stage("commit"):
+            batch = len(prev.seqs)
             for r in results:
+                if r.num_accepted is not None and r.k and r.seq.speculate:
+                    self.scheduler.draft_len.observe(batch, r.k, r.num_accepted)
                 try:
                     self.commit(r)
                 except Exception as e:  # noqa: BLE001 - one request's failure must not take the batch down

@@ -24,6 +24,7 @@ from blockspec.engine.outputs import FinishReason
 from blockspec.engine.sequence import Sequence, SeqStatus
 from blockspec.kv.block_manager import BlockManager
 from blockspec.kv.state_slots import StateSlots
+from blockspec.speculative.draft_len import DraftLenPolicy, FixedDraftLen
 from blockspec.speculative.drafts import NO_DRAFTS
 
 
@@ -43,13 +44,16 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: EngineConfig, max_draft_len: int, max_model_len: int,
                  state_slots: StateSlots | None = None) -> None:
-        """max_draft_len: the proposer's K (0: plain decoding); the draft length schedule in config picks K <= it.
-        state_slots: a hybrid target's recurrent-state slots (None: the target keeps no state per sequence)."""
+        """max_draft_len: the proposer's K (0: plain decoding); the draft length policy picks K <= it (by default
+        the config's schedule: LLMEngine.set_draft_len_policy replaces it). state_slots: a hybrid target's
+        recurrent-state slots (None: the target keeps no state per sequence)."""
         self.blocks, self.config, self.state_slots = blocks, config, state_slots
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.min_admit = min(config.min_admit, config.max_num_seqs)  # see EngineConfig.min_admit
         self.max_draft_len, self.max_model_len = max_draft_len, max_model_len
+        schedule = config.draft_len_schedule if isinstance(config.draft_len_schedule, dict) else None
+        self.draft_len: DraftLenPolicy = FixedDraftLen(schedule, max_draft_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -127,7 +131,7 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, rows, True))
             budget -= rows
-        K = self.config.draft_len(len(self.running), self.max_draft_len)
+        K = self.draft_len.next_k(len(self.running)) if self.max_draft_len and self.running else 0
         for s in out:
             if not s.is_prefill or s.seq.num_computed + s.num_rows == s.seq.prefill_len:
                 s.next_k = self._next_k(s.seq, s.seq.num_computed + s.num_rows, K)
@@ -153,7 +157,7 @@ class Scheduler:
         if (self._admits() or len(self.running) != len(seqs) or any(s.finished for s in seqs)
                 or len(seqs) * (K + 1) > self.max_num_batched_tokens):
             return False
-        sched_k = self.config.draft_len(len(seqs), self.max_draft_len)
+        sched_k = self.draft_len.k(len(seqs))
         reach = [s.num_computed + 2 * (K + 1) for s in seqs]  # the in-flight window, then the chained one at most
         if any(self._next_k(s, r, sched_k) != K for s, r in zip(seqs, reach)):
             return False

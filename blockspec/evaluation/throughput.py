@@ -105,6 +105,8 @@ class ModeRuns:
     times_s: list[float] = field(default_factory=list)
     compiles: list[list[str]] = field(default_factory=list)
     draft_len_schedule: dict[int, int] | None = None  # the spec engine's {batch: K}; None: K throughout (or plain)
+    # spec: per run, K -> steps scheduled with it on that engine (warm-up included): the draft lengths actually used
+    draft_lens_used: list[dict[int, int]] = field(default_factory=list)
 
     @property
     def time_s(self) -> float:
@@ -136,11 +138,15 @@ def interleaved(engine: Callable[[str], LLM], prompts: list[list[int]], params: 
     runs: dict[str, ModeRuns] = {}
     for mode in order:
         llm = engine(mode)
+        policy = llm.engine.draft_len
         outs, dt, compiled = timed_generate(llm, prompts, params, use_tqdm, speculate=mode == "spec")
         schedule = llm.engine.config.draft_len_schedule if mode == "spec" else None
+        used = dict(policy.used) if mode == "spec" and llm.engine.proposer is not None else None
         del llm
         release()
         r = runs.setdefault(mode, ModeRuns(outs, draft_len_schedule=schedule))
+        if used is not None:
+            r.draft_lens_used.append(used)
         r.tokens.append(sum(len(o.token_ids) for o in outs))
         r.times_s.append(dt)
         r.compiles.append(compiled)
@@ -165,12 +171,14 @@ class BenchResult:
     time_spread: float  # (slowest - fastest) / median run time
     runs_kernel_compiles: list[list[str]]  # Triton kernels compiled inside each run (warm-up misses), in run order
     draft_len_schedule: dict[int, int] | None  # spec: the draft length per batch size it ran with (None: K throughout)
+    draft_lens_used: list[dict[int, int]]  # spec: per run, K -> steps (the live draft length policy's choices)
 
 
 def result(mode: str, r: ModeRuns) -> BenchResult:
     lens = [a for o in r.outputs for a in o.acceptance_lengths]
     return BenchResult(mode, len(r.outputs), r.tokens[0], r.time_s, r.tokens_per_second,
-                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread, r.compiles, r.draft_len_schedule)
+                       sum(lens) / len(lens) if lens else None, r.times_s, r.spread, r.compiles, r.draft_len_schedule,
+                       r.draft_lens_used)
 
 
 def report(runs: dict[str, ModeRuns], order: list[str]) -> dict:

@@ -212,6 +212,8 @@ class EngineLoop:
             return bool(owners)
         stats = self.engine.stats()
         self.metrics.record_step(time.perf_counter() - t0, stats.waiting, stats.running, stats.kv_blocks_used)
+        if self.engine.proposer is not None:
+            self.metrics.record_draft_lens(self.engine.draft_len.used)
         for out in outputs:
             owner = self._owners.pop(out.request_id, None) if out.finished else self._owners.get(out.request_id)
             if owner is None or out.finish_reason is FinishReason.ERROR:  # nobody will read it: counted here

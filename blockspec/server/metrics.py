@@ -72,6 +72,10 @@ class Metrics:
                                 ("position",))
         self.accepted = counter("blockspec_draft_accepted_total", "Draft tokens accepted at each block position.",
                                 ("position",))
+        self.draft_lens = counter("blockspec_draft_len_steps_total",
+                                  "Engine steps scheduled with each draft length K (the draft length policy's "
+                                  "choices; K = 0: no drafts).", ("draft_len",))
+        self._draft_lens_seen: dict[int, int] = {}
         self.waiting = gauge("blockspec_requests_waiting", "Engine requests waiting to be scheduled.")
         self.running = gauge("blockspec_requests_running", "Engine requests running.")
         self.kv_used = gauge("blockspec_kv_blocks_used", "KV pool blocks held by requests.")
@@ -102,6 +106,14 @@ class Metrics:
         self.running.set(running)
         self.kv_used.set(kv_used)
         self.kv_usage.set(kv_used / self._kv_blocks_total)
+
+    def record_draft_lens(self, used: dict[int, int]) -> None:
+        """The engine's draft length policy's counts so far (K -> steps): what is new since the last call."""
+        for k, n in used.items():
+            new = n - self._draft_lens_seen.get(k, 0)
+            if new > 0:
+                self.draft_lens.labels(draft_len=str(k)).inc(new)
+                self._draft_lens_seen[k] = n
 
     def count_finish(self, reason: FinishReason) -> None:
         """One choice ended with `reason`, as answered to the client (a stop string is "stop" although its engine

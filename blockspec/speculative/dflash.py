@@ -15,7 +15,7 @@ from blockspec.kv.pool import CacheShape
 from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.speculative.proposer import CommittedRows, DraftBatch, Proposal, Proposer, StepModels
-from blockspec.speculative.schedule import fingerprint, load_schedule, recorded_acceptance
+from blockspec.speculative.schedule import fingerprint, load_schedule, load_step_ms, recorded_acceptance
 from blockspec.speculative.selector import sample_selected
 
 
@@ -34,6 +34,10 @@ class DFlashProposer(Proposer):
     def default_draft_len_schedule(self, device: torch.device) -> dict[int, int] | None:
         source = self.draft.source
         return load_schedule(source, device) if source is not None else None
+
+    def recorded_step_ms(self, device: torch.device) -> dict[int, dict[int, float]] | None:
+        source = self.draft.source
+        return load_step_ms(source, device) if source is not None else None
 
     def recorded_acceptance(self) -> list[float] | None:
         source = self.draft.source

@@ -89,6 +89,10 @@ class Proposer(ABC):
         default when it is given none."""
         return None
 
+    def recorded_step_ms(self, device: torch.device) -> dict[int, dict[int, float]] | None:
+        """The step costs ({batch: {K: ms}}) measured with that schedule on `device`, or None."""
+        return None
+
     def recorded_acceptance(self) -> list[float] | None:
         """p_1..p_K (the share of verify steps accepting draft i) recorded with the proposer, or None: calibration
         measures it (engine/calibrate.py)."""

@@ -70,6 +70,20 @@ def load_schedule(directory: Path, device: torch.device) -> dict[int, int] | Non
         raise ConfigError(f"{path}: not a draft length schedule file ({type(e).__name__}: {e})") from None
 
 
+def load_step_ms(directory: Path, device: torch.device) -> dict[int, dict[int, float]] | None:
+    """The step costs ({batch: {K: ms}}) recorded beside this device's schedule in a drafter directory's
+    SCHEDULE_FILE, or None (no file, no entry for the device, or no costs in it)."""
+    path = directory / SCHEDULE_FILE
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text()).get(device_key(device)) or {}
+        costs = entry.get("step_ms")
+        return {int(b): {int(k): float(ms) for k, ms in by_k.items()} for b, by_k in costs.items()} if costs else None
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a draft length schedule file ({type(e).__name__}: {e})") from None
+
+
 def recorded_acceptance(directory: Path) -> list[float] | None:
     """The per-position acceptance recorded in a drafter directory's SCHEDULE_FILE (a property of the drafter and
     its target measured over an evaluation set, not of the device: the first entry that has one), or None."""

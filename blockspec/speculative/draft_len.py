@@ -1,0 +1,168 @@
+"""How many drafts each step proposes: a draft length policy the scheduler asks once per step (k) and the engine tells
+what every verify step accepted (observe).
+
+FixedDraftLen is a {batch: K} schedule as given (or K throughout). LiveDraftLen re-picks K as generation goes: the
+calibration's step costs (engine/calibrate.py: ms per step by batch size and K) stay, but what a draft is worth is
+measured on the live workload. A schedule derived from a prior acceptance (the drafter's recorded one, or a few shipped
+prompts) is right only for prompts like those; on a workload whose drafts are accepted less often it drafts at a loss
+(issue 54: K = 1 chosen on the CPU ran at 0.89x plain on new prompts).
+
+The estimate: per batch size measured, the last `window` verify steps (K tried, drafts accepted). Acceptance is a
+prefix, so a step of K drafts that accepted n tried positions 1..min(n + 1, K) and passed 1..n: the conditional
+acceptance of position i is (passes_i + w c_i) / (tries_i + w), shrunk toward the prior's conditional c_i = p_i /
+p_(i-1) with `prior_weight` pseudo-steps (positions not tried lately keep the prior's shape, scaled by the live
+positions before them). The worth of K drafts is then 1 + p_1 + ... + p_K tokens a step, its rate that over the step's
+cost; K > 0 is chosen only where its rate beats K = 0's by `margin` (a K that only breaks even loses to noise and to
+the costs' drift), and a change between two K > 0 needs `hysteresis` (no flapping between near-equal K, each of which
+may capture its own CUDA graph). While K = 0 runs nothing is learned: every `probe_every` steps one step drafts the K
+the estimate likes best, so a workload that turns predictable is noticed."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from blockspec.speculative.schedule import expected_tokens
+
+
+class DraftLenPolicy(ABC):
+    """The K of each step (<= the proposer's K) for the batch size it runs."""
+
+    def __init__(self) -> None:
+        self.used: Counter[int] = Counter()  # K -> steps scheduled with it (reported: the schedule actually used)
+
+    @abstractmethod
+    def k(self, batch: int) -> int:
+        """K for the next step of `batch` running requests, without advancing anything (Scheduler.chain asks too)."""
+
+    def next_k(self, batch: int) -> int:
+        """K for the step being scheduled now (counted in `used`)."""
+        k = self.k(batch)
+        self.used[k] += 1
+        return k
+
+    def observe(self, batch: int, k: int, num_accepted: int) -> None:
+        """A verify step of a request in a batch of `batch`: k drafts verified, num_accepted of them accepted."""
+
+    def describe_used(self) -> str:
+        """"K:steps" of the steps scheduled so far, e.g. "3:40, 0:12"."""
+        return ", ".join(f"{k}:{n}" for k, n in sorted(self.used.items(), key=lambda kv: -kv[1]))
+
+
+class FixedDraftLen(DraftLenPolicy):
+    """A {batch: K} schedule (K of the largest batch <= the running one), or K throughout (schedule None)."""
+
+    def __init__(self, schedule: dict[int, int] | None, max_k: int) -> None:
+        super().__init__()
+        self.schedule, self.max_k = schedule or None, max_k
+
+    def k(self, batch: int) -> int:
+        if not self.schedule:
+            return self.max_k
+        keys = [b for b in self.schedule if b <= batch]
+        return min(self.max_k, self.schedule[max(keys)]) if keys else self.max_k
+
+
+@dataclass
+class _Bucket:
+    """One measured batch size's recent verify steps and its current K."""
+
+    k: int
+    tries: list[int]  # per draft position: of the steps in the window, those that tried it
+    passes: list[int]  # ... and those that accepted it
+    steps: deque = field(default_factory=deque)  # (k, num_accepted), the last `window`
+    since_probe: int = 0  # steps scheduled at K = 0 since the last probe
+    stale: bool = False  # observed since k was picked
+
+    def count(self, k: int, n: int, sign: int) -> None:
+        for i in range(min(n + 1, k)):
+            self.tries[i] += sign
+        for i in range(min(n, k)):
+            self.passes[i] += sign
+
+
+class LiveDraftLen(DraftLenPolicy):
+    def __init__(self, step_ms: dict[int, dict[int, float]], prior: list[float], max_k: int,
+                 margin: float = 0.1, hysteresis: float = 0.03, window: int = 64, prior_weight: float = 4.0,
+                 probe_every: int = 24) -> None:
+        """step_ms: {batch: {K: ms per step}} as the calibration measured it (K = 0 at every batch); prior: p_1..p_K
+        the calibration assumed; max_k: the proposer's K (draft lengths above it are never picked)."""
+        super().__init__()
+        if not step_ms or any(0 not in by_k for by_k in step_ms.values()):
+            raise ValueError(f"LiveDraftLen needs the cost of K = 0 at every batch size measured, got {step_ms}")
+        self.costs = {b: {k: ms for k, ms in by_k.items() if k <= max_k} for b, by_k in step_ms.items()}
+        self.prior = (list(prior) + [0.0] * max_k)[:max_k]
+        self.max_k, self.margin, self.hysteresis = max_k, margin, hysteresis
+        self.window, self.prior_weight, self.probe_every = window, prior_weight, probe_every
+        self.buckets = {b: _Bucket(self._pick(b, self.prior, None), [0] * max_k, [0] * max_k) for b in self.costs}
+
+    def _bucket(self, batch: int) -> int:
+        below = [b for b in self.costs if b <= batch]
+        return max(below) if below else min(self.costs)
+
+    def per_position(self, batch: int) -> list[float]:
+        """p_1..p_K estimated from this batch size's recent verify steps and the prior."""
+        bucket = self.buckets[self._bucket(batch)]
+        tries, passes = bucket.tries, bucket.passes
+        p, out, before = 1.0, [], 1.0
+        for i in range(self.max_k):
+            c = self.prior[i] / before if before > 0 else 0.0  # the prior's conditional acceptance of position i
+            before = self.prior[i]
+            p *= (passes[i] + self.prior_weight * min(c, 1.0)) / (tries[i] + self.prior_weight)
+            out.append(p)
+        return out
+
+    def _pick(self, bucket: int, per_position: list[float], current: int | None) -> int:
+        costs = self.costs[bucket]
+        rate = {k: expected_tokens(per_position, k) / ms for k, ms in costs.items()}
+        drafting = [k for k in rate if k > 0]
+        if not drafting:
+            return 0
+        best = max(drafting, key=lambda k: (rate[k], -k))  # the smaller K on a tie
+        if rate[best] < (1.0 + self.margin) * rate[0]:
+            return 0
+        if current and current in rate and rate[best] <= (1.0 + self.hysteresis) * rate[current]:
+            return current
+        return best
+
+    def k(self, batch: int) -> int:
+        return self._current(batch).k
+
+    def _current(self, batch: int) -> _Bucket:
+        """The batch size's bucket, its K re-picked once for all the verify steps observed since the last pick."""
+        b = self._bucket(batch)
+        bucket = self.buckets[b]
+        if bucket.stale:
+            bucket.k, bucket.stale = self._pick(b, self.per_position(batch), bucket.k), False
+        return bucket
+
+    def next_k(self, batch: int) -> int:
+        bucket = self._current(batch)
+        k = bucket.k
+        if k == 0:
+            bucket.since_probe += 1
+            if bucket.since_probe >= self.probe_every:  # learn whether drafting pays again
+                bucket.since_probe = 0
+                k = self.probe_k(batch)
+        self.used[k] += 1
+        return k
+
+    def probe_k(self, batch: int) -> int:
+        """The K > 0 the estimate rates best at this batch size (what a probe step drafts)."""
+        b = self._bucket(batch)
+        p = self.per_position(batch)
+        drafting = {k: expected_tokens(p, k) / ms for k, ms in self.costs[b].items() if k > 0}
+        return max(drafting, key=lambda k: (drafting[k], -k)) if drafting else 0
+
+    def observe(self, batch: int, k: int, num_accepted: int) -> None:
+        if k <= 0:
+            return
+        b = self._bucket(batch)
+        bucket = self.buckets[b]
+        k = min(k, self.max_k)
+        bucket.steps.append((k, num_accepted))
+        bucket.count(k, num_accepted, 1)
+        if len(bucket.steps) > self.window:
+            bucket.count(*bucket.steps.popleft(), -1)
+        bucket.stale = True
