@@ -22,6 +22,7 @@ from blockspec.loading.draft_loader import LoadedDraft
 from blockspec.loading.load_config import LoadConfig
 from blockspec.loading.loader import LoadedModel, load_model
 from blockspec.loading.platform import PlatformPlan
+from blockspec.loading.quant_default import with_cpu_quant_default
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy
 from blockspec.speculative.proposer import Proposer
@@ -57,7 +58,7 @@ def load_models(model: str | None = None, load: LoadConfig | None = None,
     variants the platform plan chooses, with its drafting defaults for the options left unset (on the CPU a DFlash
     drafter drafts full blocks, in bf16 where the CPU has bf16 units). What cannot run is refused before any weight
     is read."""
-    load = load or LoadConfig()
+    load = with_cpu_quant_default(load or LoadConfig(), model, tensor_parallel_size)
     plan = platform.plan(load, speculative, tensor_parallel_size=tensor_parallel_size)
     sources = ModelSpec(model, load, plan.speculative)
     if tensor_parallel_size > 1:

@@ -80,12 +80,15 @@ def add_speed_args(p: argparse.ArgumentParser, cpu_packed: bool = True, cpu_quan
     add_config_flags(p, LoadConfig, ["batch_invariant"])
 
 
-def add_cpu_quant_arg(p: argparse.ArgumentParser, default: str = "off") -> None:
-    """--cpu-quant auto|q8|q4|off (default `default`), checked at load (one line naming the flag), not by argparse
-    choices (a usage block)."""
+def add_cpu_quant_arg(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """--cpu-quant auto|q8|q4|off (default `default`; None: LoadConfig's, decided by the model), checked at load
+    (one line naming the flag), not by argparse choices (a usage block)."""
+    if default is None:
+        add_config_flags(p, LoadConfig, ["cpu_quant"])
+        return
     help_text = next(f.metadata["help"] for f in flag_fields(LoadConfig) if f.name == "cpu_quant")
     add_config_flags(p, LoadConfig, ["cpu_quant"], cpu_quant={
-        "default": default, "help": help_text.replace("(default: off)", f"(default: {default})")})
+        "default": default, "help": help_text.split(" Default: ")[0] + f" (default: {default})"})
 
 
 def load_config(args: argparse.Namespace, **overrides: Any) -> LoadConfig:

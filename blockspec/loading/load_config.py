@@ -27,13 +27,15 @@ class LoadConfig:
     cpu_packed: bool = field(default=False, metadata={
         "help": "CPU: pack the target's (and the drafter's) linears once for oneDNN, in their own dtype (plain and "
                 "verify steps read the weights faster; a verify step of K + 1 rows costs about a 1-row one)"})
-    # auto | q8 | q4 | off: CPU linears on packed int8 / int4 weights; auto resolved by the platform plan. Checked at
-    # load (one line naming the flag), not by argparse choices (a usage block)
-    cpu_quant: str = field(default="off", metadata={
+    # auto | q8 | q4 | off: CPU linears on packed int8 / int4 weights; auto resolved by the platform plan. None: auto
+    # for a quantized GGUF target on the CPU, else off (loading/quant_default.py; the platform plan reads None as
+    # off). Checked at load (one line naming the flag), not by argparse choices (a usage block)
+    cpu_quant: str | None = field(default=None, metadata={
         "metavar": "|".join(CPU_QUANT_MODES),
-        "help": "CPU: the target's linears on packed int8 (q8) / int4 (q4) weights, dequantized inside the kernel, "
-                "with bf16 activations into them; auto: the fastest this CPU runs; off: as loaded (default: off). "
-                "Outputs are the quantized model's (docs/performance.md)"})
+        "help": "CPU: the target's linears on packed int8 (q8) / int4 (q4) weights, computed in the kernel, with "
+                "int8 / bf16 activations into them; auto: the fastest this CPU runs; off: the weights as loaded "
+                "(dequantized to --dtype). Default: auto for a quantized GGUF target on the CPU, else off. Outputs "
+                "are the quantized model's (docs/performance.md)"})
     # GPU: GEMMs and attention computed per row independently of the batch
     batch_invariant: bool = field(default=False, metadata={
         "help": "GPU: the target's GEMMs and attention computed the same way whatever the batch, so greedy "

@@ -166,6 +166,8 @@ def plan(load: LoadConfig, speculative: SpeculativeConfig | dict | None = None, 
     raises, naming the flag, for what cannot run here. The device is load.device's (None: cuda when available)."""
     if isinstance(speculative, dict):
         speculative = SpeculativeConfig(**speculative)
+    if load.cpu_quant is None:  # left unset and not decided by the model (loading/quant_default.py): as loaded
+        load = replace(load, cpu_quant="off")
     if tensor_parallel_size > 1:
         _refuse_sharding(load, speculative)
     device = resolve_device(load.device)
