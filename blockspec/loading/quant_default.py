@@ -9,6 +9,7 @@ bundled Q4_1 model got 0.16x the speed of the demo (issue 54). The fp32 dequanti
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from blockspec.loading.load_config import LoadConfig
 
@@ -17,14 +18,19 @@ FLOAT_FILE_TYPES = (0, 1, 32)
 
 
 def quantized_gguf(model: str | None) -> bool:
-    """Whether `model` (None: the bundled default) resolves to a GGUF file whose weights are quantized."""
+    """Whether `model` (None: the bundled default) is a GGUF file whose weights are quantized (its metadata only is
+    read; anything else, or a file that cannot be read, is left to the loader and its errors)."""
+    from blockspec.errors import BlockspecError
+    from blockspec.loading.bundled import find_bundled
     from blockspec.loading.gguf_io import read_metadata
-    from blockspec.loading.source import resolve_source
 
-    source = resolve_source(model)
-    if source.path.suffix != ".gguf":
+    path = find_bundled() if model is None else Path(model).expanduser()
+    if path is None or path.suffix != ".gguf" or not path.is_file():
         return False
-    file_type = read_metadata(source.path).get("general.file_type")
+    try:
+        file_type = read_metadata(path).get("general.file_type")
+    except BlockspecError:
+        return False
     return file_type is not None and int(file_type) not in FLOAT_FILE_TYPES
 
 
