@@ -7,9 +7,11 @@ the draft length calibration, or tensor-parallel ranks)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence as Seq
 
+import torch
 from tqdm import tqdm
 
 from blockspec.config import EngineConfig, SpeculativeConfig, default_draft_len_schedule
@@ -25,6 +27,7 @@ from blockspec.loading.platform import PlatformPlan
 from blockspec.loading.quant_default import with_cpu_quant_default
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.acceptance import AcceptancePolicy
+from blockspec.speculative.draft_len import FixedDraftLen
 from blockspec.speculative.proposer import Proposer
 from blockspec.speculative.registry import load_proposer
 
@@ -106,6 +109,28 @@ class LLM:
         self.tokenizer = self.lm.tokenizer
         # what runs (loading/platform.py), the drafter included: the commands' stderr line, generate --explain
         self.plan: PlatformPlan = lm.plan.with_proposer(draft)
+
+    def warm_up(self, prompt_ids: list[int], params: SamplingParams) -> float:
+        """On CUDA, the one-time costs a request like this one would pay inside its decode, paid now: the CUDA graph
+        of every draft length the engine may run at batch 1 is captured and the kernels of this prompt length are
+        compiled, on a stand-in prompt of the same length (no prefix-cache hit for the real one) with the draft
+        length policy set aside (it learns nothing from the stand-in). Returns the seconds it took; 0 on the CPU,
+        which has nothing to capture."""
+        if next(self.lm.model.parameters()).device.type != "cuda":
+            return 0.0
+        engine, t0 = self.engine, time.perf_counter()
+        policy = engine.draft_len
+        vocab = self.lm.config.vocab_size
+        stand_in = [(t + 1) % vocab for t in prompt_ids]
+        try:
+            for k in policy.candidates(1) if engine.proposer is not None else [0]:
+                engine.scheduler.draft_len = FixedDraftLen({1: k}, engine.K)
+                short = replace(params, max_tokens=min(params.max_tokens, 2 + 3 * (k + 1)), ignore_eos=True)
+                self.generate([stand_in], short, use_tqdm=False)
+        finally:
+            engine.scheduler.draft_len = policy
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (a no-op on one device; also done at exit)."""

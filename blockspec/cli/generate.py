@@ -77,18 +77,27 @@ def run(args: argparse.Namespace) -> int:
     engine = dataclasses.replace(engine, num_kv_blocks=max(2, -(-cap // engine.block_size) + 1))
     llm = LLM.from_loaded(lm, models.draft, engine=engine, sources=models.sources)
     report_llm(llm)
+    warm = llm.warm_up(prompt_ids, params)  # CUDA graphs and kernel compiles, outside the timed decode
+    if warm:
+        print(f"warm-up (CUDA graphs, kernel compiles): {warm:.1f}s", file=sys.stderr)
     decoder = IncrementalDecoder(tok) if tok is not None and not args.json else None
     try:
         t0 = time.perf_counter()
-        final = None
+        final, first = None, None
         for final in llm.stream([prompt_ids], params):
+            if first is None and final.new_token_ids:
+                first = time.perf_counter()
             if decoder is not None:
                 sys.stdout.write(decoder.push(final.new_token_ids))
                 sys.stdout.flush()
-        elapsed = time.perf_counter() - t0
+        end = time.perf_counter()
     finally:
         llm.close()
-    result = _result(tok, prompt_ids, final, elapsed, llm, args.trace)
+    result = _result(tok, prompt_ids, final, end - t0, llm, args.trace)
+    if first is not None and len(final.token_ids) > 1 and end > first:
+        # the decode rate: tokens after the first over the time after it (the prompt's prefill stays out)
+        result["time_to_first_token_s"] = round(first - t0, 4)
+        result["tokens_per_second"] = round((len(final.token_ids) - 1) / (end - first), 2)
     _print_result(args, result, tok, streamed=decoder is not None)
     return 0
 
@@ -216,7 +225,9 @@ def _print_result(args: argparse.Namespace, result: dict, tok, streamed: bool) -
     tau = f", tau {result['mean_acceptance_length']:.2f}" if result.get("mean_acceptance_length") else ""
     used = result.get("draft_lens_used")
     ks = f", K used (K:steps) {', '.join(f'{k}:{n}' for k, n in used.items())}" if used else ""
-    print(f"\n[{result['num_generated_tokens']} tokens, {result['tokens_per_second']} tok/s{tau}{ks}, "
-          f"finish: {result['finish_reason']}]", file=sys.stderr)
+    ttft = result.get("time_to_first_token_s")
+    rate = f"{result['tokens_per_second']} tok/s" + (f" decoding, first token after {ttft:.3f}s" if ttft else "")
+    print(f"\n[{result['num_generated_tokens']} tokens, {rate}{tau}{ks}, finish: {result['finish_reason']}]",
+          file=sys.stderr)
     for step in result.get("steps") or []:
         print(json.dumps(step), file=sys.stderr)

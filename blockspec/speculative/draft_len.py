@@ -42,6 +42,10 @@ class DraftLenPolicy(ABC):
         self.used[k] += 1
         return k
 
+    def candidates(self, batch: int) -> list[int]:
+        """Every K this policy may schedule at `batch` (what a warm-up captures before a timed run)."""
+        return [self.k(batch)]
+
     def observe(self, batch: int, k: int, num_accepted: int) -> None:
         """A verify step of a request in a batch of `batch`: k drafts verified, num_accepted of them accepted."""
 
@@ -147,6 +151,9 @@ class LiveDraftLen(DraftLenPolicy):
                 k = self.probe_k(batch)
         self.used[k] += 1
         return k
+
+    def candidates(self, batch: int) -> list[int]:
+        return sorted(self.costs[self._bucket(batch)])
 
     def probe_k(self, batch: int) -> int:
         """The K > 0 the estimate rates best at this batch size (what a probe step drafts)."""
