@@ -26,6 +26,8 @@ def test_bundled_q4_1_runs_quantized_on_the_cpu():
     assert with_cpu_quant_default(LoadConfig(device="cpu", cpu_quant="off"), None).cpu_quant == "off"
     assert with_cpu_quant_default(LoadConfig(device="cpu", cpu_quant="q8"), None).cpu_quant == "q8"
     assert with_cpu_quant_default(LoadConfig(device="cpu"), None, tensor_parallel_size=2).cpu_quant == "off"
+    for other_path in ({"cpu_packed": True}, {"batch_invariant": True}):  # asked for another path: not overridden
+        assert with_cpu_quant_default(LoadConfig(device="cpu", **other_path), None).cpu_quant == "off"
 
 
 @pytest.mark.parametrize("file_type,quantized", [(0, False), (1, False), (32, False), (None, False), (2, True),

@@ -129,14 +129,16 @@ def _paged_attn_kernel(
                                                  acc, scale, CAUSAL, WINDOW, PREC)
         if HAS_NEW:  # the draft block's own K/V (rows q0..q1 of k_new / v_new), folded in by split 0 only
             if split == 0:
-                for start in range(0, q1 - q0, BLOCK_N):
-                    n_rows = q0 + start + tl.arange(0, BLOCK_N)
+                # names of their own: the key loop's `start` and `k_pos` are int64 under a window (from the positions),
+                # and Triton refuses a branch that redefines a name with another type
+                for n0 in range(0, q1 - q0, BLOCK_N):
+                    n_rows = q0 + n0 + tl.arange(0, BLOCK_N)
                     n_ok = n_rows < q1
-                    k_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
+                    n_pos = tl.load(pos_ptr + n_rows, mask=n_ok, other=0)
                     n_off = (n_rows[:, None] * HKV + kvh) * D + d[None, :]
                     k = tl.load(kn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
                     v = tl.load(vn_ptr + n_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                    m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, k_pos, n_ok[None, :] & row_ok[:, None],
+                    m_i, l_i, acc = _online_softmax_step(q, k, v, q_pos, n_pos, n_ok[None, :] & row_ok[:, None],
                                                          m_i, l_i, acc, scale, CAUSAL, WINDOW, PREC)
         # unnormalized partials: out = acc / l after merging splits
         ml_off = (split * T + tok) * HQ + head

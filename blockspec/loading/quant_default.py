@@ -36,9 +36,11 @@ def quantized_gguf(model: str | None) -> bool:
 
 def with_cpu_quant_default(load: LoadConfig, model: str | None, tensor_parallel_size: int = 1) -> LoadConfig:
     """`load` with cpu_quant decided where the user left it unset (None): "auto" for a quantized GGUF on the CPU with
-    one process, else "off"."""
+    one process, else "off" (also where another CPU path was asked for: --cpu-packed, --batch-invariant)."""
     if load.cpu_quant is not None:
         return load
+    if load.cpu_packed or load.batch_invariant:
+        return replace(load, cpu_quant="off")
     from blockspec.loading.platform import resolve_device
 
     on_cpu = resolve_device(load.device).type == "cpu"
