@@ -48,6 +48,11 @@ def test_cli_draft_json_and_trace(tmp_path, capsys):
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5"]) == 0
+    explicit = json.loads(capsys.readouterr().out)  # an explicit K means K throughout: nothing calibrated
+    assert explicit["token_ids"] == plain["token_ids"] and explicit["draft_len_schedule"] is None
+    assert set(explicit["draft_lens_used"]) <= {"0", "5"} and explicit["draft_lens_used"].get("5")
+    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5", "--draft-len-schedule",
+                        "auto"]) == 0
     calibrated = json.loads(capsys.readouterr().out)  # the schedule measured here (K <= 5 per batch size)
     assert calibrated["token_ids"] == plain["token_ids"] and 0 <= calibrated["draft_len_schedule"]["1"] <= 5
     assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5", "--trace",
@@ -71,7 +76,7 @@ def test_cli_draft_left_out_where_no_draft_length_pays(tmp_path, capsys, monkeyp
     base = cli_pair(tmp_path)
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(base + ["--draft", str(tmp_path / "d"), "--num-draft-tokens", "5"]) == 0
+    assert main(base + ["--draft", str(tmp_path / "d"), "--draft-len-schedule", "auto"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["token_ids"] == plain["token_ids"] and out["mean_acceptance_length"] == 1.0
