@@ -182,3 +182,32 @@ def test_a_native_build_switched_off_or_failing_is_explained(pair, tmp_path, env
     assert run.returncode == 0, run.stderr
     assert "  native     not built" in run.stdout
     assert why in next(line for line in run.stdout.splitlines() if line.startswith("  - native kernels not built: "))
+
+
+def test_a_drafter_names_its_cpu_draft_vocabulary(tmp_path):
+    """The bundled drafter's config names cpu_draft_vocab_size: on the CPU an unset draft_vocab_size takes it (with a
+    reason); a value given, probabilistic drafting, or the GPU keep their own."""
+    import json
+    import shutil
+
+    from blockspec.config import SpeculativeConfig
+    from blockspec.loading import platform
+    from blockspec.loading.bundled_draft import bundled_draft_path
+    from blockspec.loading.load_config import LoadConfig
+
+    src = bundled_draft_path()
+    spec = SpeculativeConfig(draft_model=str(src))
+    plan = platform.plan(LoadConfig(device="cpu"), spec)
+    assert plan.speculative.draft_vocab_size == 24576
+    assert any("cpu_draft_vocab_size" in r for r in plan.reasons)
+    given = platform.plan(LoadConfig(device="cpu"), SpeculativeConfig(draft_model=str(src), draft_vocab_size=1000))
+    assert given.speculative.draft_vocab_size == 1000
+    sampled = SpeculativeConfig(draft_model=str(src), probabilistic_drafting=True)
+    assert platform.plan(LoadConfig(device="cpu"), sampled).speculative.draft_vocab_size is None
+    plain = shutil.copytree(src, tmp_path / "d", ignore=shutil.ignore_patterns("model.safetensors"))
+    (plain / "model.safetensors").symlink_to(src / "model.safetensors")
+    cfg = json.loads((plain / "config.json").read_text())
+    del cfg["cpu_draft_vocab_size"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    unnamed = SpeculativeConfig(draft_model=str(plain))
+    assert platform.plan(LoadConfig(device="cpu"), unnamed).speculative.draft_vocab_size is None
