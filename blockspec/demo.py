@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.config import EngineConfig, SpeculativeConfig, default_draft_len_schedule
 from blockspec.errors import ModelLoadError
 from blockspec.layers import cpu_packed
 from blockspec.layers.cpu_quant import kernel_name as cpu_quant_kernel
@@ -93,11 +93,9 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     # faster, and a verify step of K + 1 rows costs about what a 1-row step does (MKL's small GEMMs do not)
     packed = cpu_packed.fp32_supported(dev)
     load = LoadConfig(device=device, cpu_packed=packed, cpu_quant=cpu_quant if on_cpu else "off")
-    if num_draft_tokens is None and on_cpu:
-        # the drafter's 16-row pass is paid every step whatever K is, so K is where more drafts stop paying for
-        # themselves: K = 3, 4 and 5 measure within run-to-run noise of each other here (docs/results/)
-        quantized = platform.plan(load).cpu_quant != "off"
-        num_draft_tokens = CPU_QUANT_DRAFT_TOKENS if quantized else CPU_DRAFT_TOKENS
+    # without --num-draft-tokens the demo drafts as `generate --draft` does: the step costs measured on this machine
+    # (cached after the first run), K re-picked from the acceptance of the answers as they are written
+    # (speculative/draft_len.py), so an answer the drafter cannot guess runs at about plain speed
     # the drafter drafts its trained block on the CPU (16 rows through a few small layers, cheap next to verifying:
     # its first drafts are accepted more often than those of a K + 1-row block), in bf16 on weights packed once for
     # oneDNN on a CPU with bf16 units (a cheaper spec step; the fp32 target verifies every draft, so the outputs stay
@@ -116,7 +114,11 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     print(f"loaded {lm.source.name}{target}{drafter} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     print(summary(plan), file=sys.stderr)
     plain = LLM.from_loaded(lm, None, engine=EngineConfig(max_num_seqs=1))
-    spec_llm = LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1)) if draft is not None else None
+    schedule = default_draft_len_schedule(num_draft_tokens)
+    spec_llm = (LLM.from_loaded(lm, draft, engine=EngineConfig(max_num_seqs=1, draft_len_schedule=schedule))
+                if draft is not None else None)
+    if spec_llm is not None and spec_llm.calibration is not None:
+        print(spec_llm.calibration.describe(), file=sys.stderr)
     params = SamplingParams(max_tokens=max_tokens)
     warm = lm.tokenizer.encode("Hello")
     for llm in (plain, spec_llm):  # first-call costs (allocation, kernel selection) stay out of the timings
