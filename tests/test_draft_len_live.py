@@ -29,7 +29,7 @@ def test_no_observations_keep_the_prior_and_pick_its_best():
 
 
 def test_rejected_drafts_turn_drafting_off_and_accepted_ones_back_on():
-    live = LiveDraftLen(COSTS, HIGH, max_k=3, probe_every=5)
+    live = LiveDraftLen(COSTS, HIGH, max_k=3, probe_every=5, probe_budget=1.0)
     for _ in range(20):
         live.observe(1, 3, 0)
     assert live.next_k(1) == 0
@@ -40,6 +40,17 @@ def test_rejected_drafts_turn_drafting_off_and_accepted_ones_back_on():
         live.observe(1, 3, 3)
     assert live.next_k(1) == 3
     assert live.used[0] == 9 and live.used[3] == 1  # the probes drafted the K the low estimate rated best (1)
+
+
+def test_probes_cost_at_most_their_budget_and_never_where_nothing_could_pay():
+    live = LiveDraftLen({1: {0: 10.0, 1: 17.0}, 32: {0: 10.0, 1: 50.0}}, [0.9], max_k=1)
+    for batch in (1, 32):
+        for _ in range(20):
+            live.observe(batch, 1, 0)
+    assert live._probe_interval(1, 1) == pytest.approx(35.0)  # a probe costs 0.7 extra plain steps: 1 in 35
+    assert live._probe_interval(32, 1) == float("inf")  # 2 tokens for 5 steps' cost: no acceptance could pay
+    assert [live.next_k(32) for _ in range(300)].count(1) == 0
+    assert [live.next_k(1) for _ in range(300)].count(1) == 8
 
 
 def test_a_k_that_only_breaks_even_is_not_chosen():
@@ -95,7 +106,7 @@ def test_engine_outputs_equal_plain_while_k_moves(monkeypatch):
         llm = LLM.from_loaded(pair.lm, draft, engine=EngineConfig(max_num_seqs=3, step_path=path,
                                                                    draft_len_schedule="off"))
         costs = {1: {0: 1.0, 1: 1.6, 2: 1.9, 3: 2.3, 4: 2.6}}
-        live = LiveDraftLen(costs, [0.5, 0.3, 0.2, 0.1], max_k=4, window=6, probe_every=3)
+        live = LiveDraftLen(costs, [0.5, 0.3, 0.2, 0.1], max_k=4, window=6, probe_every=3, probe_budget=1.0)
         llm.engine.set_draft_len_policy(live, None)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

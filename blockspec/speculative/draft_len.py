@@ -14,8 +14,9 @@ p_(i-1) with `prior_weight` pseudo-steps (positions not tried lately keep the pr
 positions before them). The worth of K drafts is then 1 + p_1 + ... + p_K tokens a step, its rate that over the step's
 cost; K > 0 is chosen only where its rate beats K = 0's by `margin` (a K that only breaks even loses to noise and to
 the costs' drift), and a change between two K > 0 needs `hysteresis` (no flapping between near-equal K, each of which
-may capture its own CUDA graph). While K = 0 runs nothing is learned: every `probe_every` steps one step drafts the K
-the estimate likes best, so a workload that turns predictable is noticed."""
+may capture its own CUDA graph). While K = 0 runs nothing is learned: now and then one step drafts the K the estimate
+likes best (every `probe_every` steps, or less often where a probe costs several plain steps: PROBE_BUDGET), so a
+workload that turns predictable is noticed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from blockspec.speculative.schedule import expected_tokens
+
+
+PROBE_BUDGET = 0.02  # the most the probes at K = 0 may add to the steps' cost
 
 
 class DraftLenPolicy(ABC):
@@ -89,7 +93,7 @@ class _Bucket:
 class LiveDraftLen(DraftLenPolicy):
     def __init__(self, step_ms: dict[int, dict[int, float]], prior: list[float], max_k: int,
                  margin: float = 0.1, hysteresis: float = 0.03, window: int = 64, prior_weight: float = 4.0,
-                 probe_every: int = 24) -> None:
+                 probe_every: int = 24, probe_budget: float = PROBE_BUDGET) -> None:
         """step_ms: {batch: {K: ms per step}} as the calibration measured it (K = 0 at every batch); prior: p_1..p_K
         the calibration assumed; max_k: the proposer's K (draft lengths above it are never picked)."""
         super().__init__()
@@ -99,6 +103,7 @@ class LiveDraftLen(DraftLenPolicy):
         self.prior = (list(prior) + [0.0] * max_k)[:max_k]
         self.max_k, self.margin, self.hysteresis = max_k, margin, hysteresis
         self.window, self.prior_weight, self.probe_every = window, prior_weight, probe_every
+        self.probe_budget = probe_budget
         self.buckets = {b: _Bucket(self._pick(b, self.prior, None), [0] * max_k, [0] * max_k) for b in self.costs}
 
     def _bucket(self, batch: int) -> int:
@@ -146,11 +151,21 @@ class LiveDraftLen(DraftLenPolicy):
         k = bucket.k
         if k == 0:
             bucket.since_probe += 1
-            if bucket.since_probe >= self.probe_every:  # learn whether drafting pays again
+            probe = self.probe_k(batch)
+            if probe and bucket.since_probe >= self._probe_interval(batch, probe):  # does drafting pay again?
                 bucket.since_probe = 0
-                k = self.probe_k(batch)
+                k = probe
         self.used[k] += 1
         return k
+
+    def _probe_interval(self, batch: int, k: int) -> float:
+        """Steps at K = 0 between two probes of K: at least probe_every, and enough that the probes' extra cost stays
+        under probe_budget of the steps' (a probe at batch 32 on a CPU costs ~3 plain steps: every 24th step would
+        add 8 %); never where K would not pay even if every draft were accepted."""
+        costs = self.costs[self._bucket(batch)]
+        if (1 + k) / costs[k] < (1.0 + self.margin) / costs[0]:
+            return float("inf")
+        return max(self.probe_every, (costs[k] / costs[0] - 1.0) / self.probe_budget)
 
     def candidates(self, batch: int) -> list[int]:
         return sorted(self.costs[self._bucket(batch)])
