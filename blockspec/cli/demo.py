@@ -17,8 +17,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_max_tokens(p, 96)
     add_device_args(p, device="cpu", dtype=False)
     add_speculative_args(p, ["num_draft_tokens"], num_draft_tokens={
-        "help": "K drafts per block for the bundled drafter (default: 4 on CPU, where K = 3-5 measure best, 3 under "
-                "--cpu-quant, see docs/results/2026-12-05-cpu-quant-llama-cpp.md; block_size - 1 elsewhere)"})
+        "help": "K drafts per block for the bundled drafter, throughout (default: as generate --draft: the step costs "
+                "measured on this machine, K re-picked from the live acceptance, docs/usage.md)"})
     p.add_argument("--fp32-draft", action="store_true",
                    help="keep the drafter in fp32 on CPUs with bf16 units too (what CPUs without them run)")
     add_cpu_quant_arg(p, DEMO_CPU_QUANT)
