@@ -5,12 +5,13 @@ cpu_step_profile.timed_parts): the target's layer stack (the verify rows), its h
 block pass and its head, and the engine (the rest of the wall time: scheduling, sampling, acceptance, Python). Prints
 ms per step of each part for both and the ratio of the whole steps.
 Usage: python -m benchmarks.spec_step_cost [--threads 2] [--k 3] [--prompts 4] [--max-tokens 96] [--cpu-quant M]
-    [--out FILE]"""
+    [--rounds 5] [--out FILE]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import replace
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--cpu-quant", default=None, help="the target's CPU path (default: the platform's, auto for the "
                                                       "bundled Q4_1 model)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved plain / spec rounds (medians are printed)")
     ap.add_argument("--out", help="write the figures as JSON here too")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -78,21 +80,28 @@ def main(argv: list[str] | None = None) -> int:
     plain = LLM.from_loaded(models.lm, None, engine=EngineConfig(max_num_seqs=1))
     spec = LLM.from_loaded(models.lm, models.draft, engine=EngineConfig(max_num_seqs=1, draft_len_schedule="off"))
     t0 = time.perf_counter()
-    figures = {"plain": step_parts(plain, prompts, params), "spec": step_parts(spec, prompts, params)}
+    rounds: dict[str, list[dict[str, float]]] = {"plain": [], "spec": []}
+    for _ in range(args.rounds):  # interleaved: this VM's speed drifts by tens of % between minutes
+        rounds["plain"].append(step_parts(plain, prompts, params))
+        rounds["spec"].append(step_parts(spec, prompts, params))
+    # each part's median over the rounds, and the whole step's ratio per round (its median is what is quoted)
+    figures = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for mode, runs in rounds.items()}
+    ratios = [s_["step"] / p_["step"] for p_, s_ in zip(rounds["plain"], rounds["spec"])]
     p, s = figures["plain"], figures["spec"]
     print(f"{models.plan.target} target, {args.threads} thread(s), K = {args.k}, {args.prompts} demo prompts x "
-          f"{args.max_tokens} tokens ({time.perf_counter() - t0:.0f} s)")
+          f"{args.max_tokens} tokens, medians of {args.rounds} interleaved rounds ({time.perf_counter() - t0:.0f} s)")
     print(f"  {'ms per step':28s} {'plain':>7s} {'K = ' + str(args.k):>7s}")
     for label, key in ROWS:
         print(f"  {label:28s} {p.get(key, 0.0):7.2f} {s.get(key, 0.0):7.2f}")
-    print(f"  {'whole step':28s} {p['step']:7.2f} {s['step']:7.2f}   ratio {s['step'] / p['step']:.2f}x")
+    print(f"  {'whole step':28s} {p['step']:7.2f} {s['step']:7.2f}   ratio {statistics.median(ratios):.2f}x "
+          f"(median of {args.rounds} rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
     print(f"  {'tokens per step':28s} {p['tokens per step']:7.2f} {s['tokens per step']:7.2f}   decode speedup "
           f"{s['tokens per step'] / s['step'] / (p['tokens per step'] / p['step']):.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"threads": args.threads, "K": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens,
                        "target": models.plan.target, "ms_per_step": figures,
-                       "ratio": s["step"] / p["step"]}, f, indent=1)
+                       "ratio": statistics.median(ratios), "ratios": ratios, "rounds": rounds}, f, indent=1)
     return 0
 
 
