@@ -205,10 +205,3 @@ class EngineConfig:
                 raise ConfigError(f"draft_len_schedule={self.draft_len_schedule!r}: keys (batch sizes) must be >= 1 "
                                   f"and values (draft lengths) >= 0")
             self.draft_len_schedule = sched
-
-    def draft_len(self, batch_size: int, default: int) -> int:
-        """K for a step running `batch_size` requests: the schedule entry of the largest key <= batch_size."""
-        if not isinstance(self.draft_len_schedule, dict) or not self.draft_len_schedule:
-            return default
-        keys = [k for k in self.draft_len_schedule if k <= batch_size]
-        return min(default, self.draft_len_schedule[max(keys)]) if keys else default

@@ -53,10 +53,6 @@ class DraftLenPolicy(ABC):
     def observe(self, batch: int, k: int, num_accepted: int) -> None:
         """A verify step of a request in a batch of `batch`: k drafts verified, num_accepted of them accepted."""
 
-    def describe_used(self) -> str:
-        """"K:steps" of the steps scheduled so far, e.g. "3:40, 0:12"."""
-        return ", ".join(f"{k}:{n}" for k, n in sorted(self.used.items(), key=lambda kv: -kv[1]))
-
 
 class FixedDraftLen(DraftLenPolicy):
     """A {batch: K} schedule (K of the largest batch <= the running one), or K throughout (schedule None)."""
