@@ -119,16 +119,16 @@ class LLM:
         if next(self.lm.model.parameters()).device.type != "cuda":
             return 0.0
         engine, t0 = self.engine, time.perf_counter()
-        policy = engine.draft_len
+        policy, schedule = engine.draft_len, engine.config.draft_len_schedule
         vocab = self.lm.config.vocab_size
         stand_in = [(t + 1) % vocab for t in prompt_ids]
         try:
             for k in policy.candidates(1) if engine.proposer is not None else [0]:
-                engine.scheduler.draft_len = FixedDraftLen({1: k}, engine.K)
+                engine.set_draft_len_policy(FixedDraftLen({1: k}, engine.K), schedule)
                 short = replace(params, max_tokens=min(params.max_tokens, 2 + 3 * (k + 1)), ignore_eos=True)
                 self.generate([stand_in], short, use_tqdm=False)
         finally:
-            engine.scheduler.draft_len = policy
+            engine.set_draft_len_policy(policy, schedule)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 

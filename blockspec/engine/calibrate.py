@@ -54,10 +54,16 @@ class Calibration:
         """K = 0 at every batch size: the engine runs without the drafter (blockspec/llm.py)."""
         return bool(self.schedule) and not any(self.schedule.values())
 
+    @property
+    def live(self) -> bool:
+        """Whether K can be re-picked as the engine runs: the acceptance and the cost of K = 0 at every batch size
+        measured are known."""
+        return bool(self.per_position and self.step_ms) and all(0 in by_k for by_k in self.step_ms.values())
+
     def policy(self, max_k: int) -> DraftLenPolicy:
         """What picks K as the engine runs: the live policy (speculative/draft_len.py: these costs, acceptance as it
-        is measured) where the step costs of K = 0 and the acceptance are known, else this schedule as it is."""
-        if self.per_position and self.step_ms and all(0 in by_k for by_k in self.step_ms.values()):
+        is measured) where `live`, else this schedule as it is."""
+        if self.live:
             return LiveDraftLen(self.step_ms, self.per_position, max_k)
         return FixedDraftLen(self.schedule, max_k)
 
@@ -66,7 +72,7 @@ class Calibration:
         how = {"measured": f"measured on {self.device} in {self.seconds:.1f}s", "cached": f"cached for {self.device}",
                "drafter": f"the drafter's table for {self.device}"}[self.source]
         off = "; no draft length pays here: decoding without the drafter" if self.drafts_nothing else ""
-        live = ", re-picked from the live acceptance" if self.per_position and self.step_ms and not off else ""
+        live = ", re-picked from the live acceptance" if self.live and not off else ""
         return f"draft length schedule (batch:K) {sched} ({how}){live}{off}"
 
 

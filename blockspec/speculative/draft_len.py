@@ -118,14 +118,20 @@ class LiveDraftLen(DraftLenPolicy):
             out.append(p)
         return out
 
-    def _pick(self, bucket: int, per_position: list[float], current: int | None) -> int:
-        costs = self.costs[bucket]
-        rate = {k: expected_tokens(per_position, k) / ms for k, ms in costs.items()}
+    def _rates(self, bucket: int, per_position: list[float]) -> dict[int, float]:
+        """Tokens per ms of each K measured at this batch size, at this acceptance."""
+        return {k: expected_tokens(per_position, k) / ms for k, ms in self.costs[bucket].items()}
+
+    @staticmethod
+    def _best_drafting(rate: dict[int, float]) -> int:
+        """The K > 0 with the highest rate (the smaller K on a tie), 0 where none was measured."""
         drafting = [k for k in rate if k > 0]
-        if not drafting:
-            return 0
-        best = max(drafting, key=lambda k: (rate[k], -k))  # the smaller K on a tie
-        if rate[best] < (1.0 + self.margin) * rate[0]:
+        return max(drafting, key=lambda k: (rate[k], -k)) if drafting else 0
+
+    def _pick(self, bucket: int, per_position: list[float], current: int | None) -> int:
+        rate = self._rates(bucket, per_position)
+        best = self._best_drafting(rate)
+        if not best or rate[best] < (1.0 + self.margin) * rate[0]:
             return 0
         if current and current in rate and rate[best] <= (1.0 + self.hysteresis) * rate[current]:
             return current
@@ -147,10 +153,11 @@ class LiveDraftLen(DraftLenPolicy):
         k = bucket.k
         if k == 0:
             bucket.since_probe += 1
-            probe = self.probe_k(batch)
-            if probe and bucket.since_probe >= self._probe_interval(batch, probe):  # does drafting pay again?
-                bucket.since_probe = 0
-                k = probe
+            if bucket.since_probe >= self.probe_every:  # the earliest a probe may come: is one due?
+                probe = self.probe_k(batch)
+                if probe and bucket.since_probe >= self._probe_interval(batch, probe):  # does drafting pay again?
+                    bucket.since_probe = 0
+                    k = probe
         self.used[k] += 1
         return k
 
@@ -168,10 +175,7 @@ class LiveDraftLen(DraftLenPolicy):
 
     def probe_k(self, batch: int) -> int:
         """The K > 0 the estimate rates best at this batch size (what a probe step drafts)."""
-        b = self._bucket(batch)
-        p = self.per_position(batch)
-        drafting = {k: expected_tokens(p, k) / ms for k, ms in self.costs[b].items() if k > 0}
-        return max(drafting, key=lambda k: (drafting[k], -k)) if drafting else 0
+        return self._best_drafting(self._rates(self._bucket(batch), self.per_position(batch)))
 
     def observe(self, batch: int, k: int, num_accepted: int) -> None:
         if k <= 0:
