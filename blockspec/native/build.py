@@ -30,7 +30,7 @@ from typing import Sequence
 log = logging.getLogger("blockspec.native")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / n for n in ("q4gemm.c", "q8gemm.c", "amx.c", "decoder.c", "draft.c", "layout.c")]
+SOURCES = [HERE / n for n in ("q4gemm.c", "q8gemm.c", "amx.c", "attend.c", "decoder.c", "draft.c", "layout.c")]
 HEADERS = [HERE / "native.h"]
 # -ffp-contract=off: no multiply-add is fused in one place and not in another (decoder.c's exactness);
 # -fno-math-errno, -fno-trapping-math: sqrtf and lrintf become single instructions and the loops with conversions and

@@ -25,104 +25,17 @@ and not another; the SIMD sums keep 8 fixed lanes. */
 
 /* what each thread keeps to itself: its copy of the residual stream and of the row-wise work */
 typedef struct {
-    float *h, *x, *act, *scores, *q;
-    const float **ks, **vs; /* the current row's key and value addresses */
-    q8_rows in;
+    float *h, *x, *act, *q;
+    attn_scratch attn;
+    q8_rows in; /* a matmul's int8 input (the attention's output too: attn_combine runs in every thread) */
 } private_buffers;
 
-/* matmul outputs, the attention's quantized output and a draft block's own k / v, written by all threads */
+/* matmul outputs and a draft block's own k / v, written by all threads; the attention's plans (attend.c): for every
+row, and for the last layer's kept rows */
 typedef struct {
     float *qkv, *o, *gate_up, *down, *block_k, *block_v;
-    q8_rows att;
+    attn_plan all, last;
 } shared_buffers;
-
-/* the addresses of row t's keys for kv head kvh: ks[j], vs[j] (a target row: its sequence's keys at positions
-0..min(pos, kv_len - 1) through the block table; a draft row: its sequence's kv_len context keys, then every row of
-its block); returns their number */
-static int64_t key_rows(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw,
-                        const shared_buffers *sh, int t, int kvh, const float **ks, const float **vs) {
-    int s = bt->row_seq[t];
-    int64_t n = bt->positions[t] + 1, bs = bt->block_size, j = 0;
-    if (n > bt->kv_lens[s] || bt->query_start) n = bt->kv_lens[s];
-    size_t stride = (size_t)dm->kv_heads * dm->head_dim, off = (size_t)kvh * dm->head_dim;
-    const int64_t *table = bt->block_tables + (size_t)s * bt->max_blocks;
-    for (int64_t blk = 0; j < n; blk++) /* one table lookup per block of keys, not a division per key */
-        for (int64_t slot = table[blk] * bs, end = slot + bs; slot < end && j < n; slot++, j++) {
-            ks[j] = lw->k_cache + slot * stride + off;
-            vs[j] = lw->v_cache + slot * stride + off;
-        }
-    if (bt->query_start)
-        for (int r = bt->query_start[s]; r < bt->query_start[s + 1]; r++, j++) {
-            ks[j] = sh->block_k + r * stride + off;
-            vs[j] = sh->block_v + r * stride + off;
-        }
-    return j;
-}
-
-/* The pool's keys and values are scattered over its blocks and, between two steps, pushed out of the caches by the
-weights streaming through: without a prefetch every key waits for memory (at 200 keys attention grew a 4-row step
-by ~40 %). key_scores requests the lines of each key's k and v AHEAD keys before it reaches them. */
-#define AHEAD 16
-static inline void fetch(const float *row, int n) {
-    for (int i = 0; i < n; i += 16) __builtin_prefetch(row + i);
-}
-
-/* out[0..D-1] = sum over keys j, in order, of p[j] * vs[j][i]: eight vectors (64 dims) stay in registers over all
-keys, so p[j] and vs[j] are read once per 64 dims (out[i] += p v[i] over memory made each key a load and a store) */
-static void weigh_values(const float *p, int64_t n, const float **vs, int D, float *out) {
-    for (int i0 = 0; i0 < D; i0 += 2 * QK) {
-        int wide = D - i0 >= 2 * QK; /* a head of 32 dims (or an odd last 32) takes the first four only */
-        v8f a[8] = {{0}};
-        for (int64_t j = 0; j < n; j++) {
-            const float *v = vs[j] + i0;
-            for (int c = 0; c < 4; c++) a[c] += p[j] * load8(v + 8 * c);
-            if (wide)
-                for (int c = 4; c < 8; c++) a[c] += p[j] * load8(v + 8 * c);
-        }
-        memcpy(out + i0, a, (wide ? 64 : 32) * sizeof(float));
-    }
-}
-
-/* scores[j] = dot(q, ks[j], D) * scale for every key. Eight keys at a time on AVX: each key's 8 lane sums accumulate
-as dot() does (an independent chain per key, where dot() made each key wait for the last), then hadd sums the lanes
-of the eight keys in sum_lanes' order ((0+1)+(2+3))+((4+5)+(6+7)): the same bits as dot(). */
-static void key_scores(const float *q, int64_t n, const float **ks, const float **vs, int D, float scale,
-                       float *scores) {
-    int64_t j = 0;
-    for (int64_t k = 0; k < AHEAD && k < n; k++) fetch(ks[k], D), fetch(vs[k], D);
-#if defined(__AVX__) && defined(BLOCKSPEC_X86)
-    for (; j + 8 <= n; j += 8) {
-        for (int64_t k = j + AHEAD; k < j + AHEAD + 8 && k < n; k++) fetch(ks[k], D), fetch(vs[k], D);
-        __m256 acc[8];
-        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += LANES) {
-            __m256 qi = _mm256_loadu_ps(q + i);
-            for (int k = 0; k < 8; k++)
-                acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(qi, _mm256_loadu_ps(ks[j + k] + i)));
-        }
-        __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-        __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-        _mm256_storeu_ps(scores + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
-    }
-#endif
-    for (; j < n; j++) scores[j] = dot(q, ks[j], D) * scale;
-}
-
-/* one row and one query head (q rotated) over its keys (key_rows) */
-static void attend(const decoder_dims *dm, const float *q, int64_t n, const float **ks, const float **vs, float *out,
-                   float *scores) {
-    key_scores(q, n, ks, vs, dm->head_dim, dm->scale, scores);
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) mx = scores[j] > mx ? scores[j] : mx;
-    float acc[LANES] = {0};
-#pragma omp simd
-    for (int64_t j = 0; j < n; j++) scores[j] = fast_exp(scores[j] - mx);
-    for (int64_t j = 0; j < n; j++) acc[j % LANES] += scores[j];
-    float inv = 1.0f / sum_lanes(acc);
-    for (int64_t j = 0; j < n; j++) scores[j] *= inv;
-    weigh_values(scores, n, vs, dm->head_dim, out);
-}
 
 static int tap_index(const decoder_batch *bt, int layer) {
     for (int i = 0; i < bt->n_taps; i++)
@@ -130,14 +43,18 @@ static int tap_index(const decoder_batch *bt, int layer) {
     return -1;
 }
 
-/* rows a..b-1: the k heads normed and rotated; k and v stored in the pool at the rows' slots, or a draft block's
-kept in block_k / block_v for this call */
+/* rows a..b-1: the q heads normed and rotated in place (attend.c reads them there); the k heads normed and rotated; k
+and v stored in the pool at the rows' slots, or a draft block's kept in block_k / block_v for this call */
 static void store_kv(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw,
                      const shared_buffers *sh, int a, int b, float *k) {
     int D = dm->head_dim, QKV = lw->qkv.N;
     size_t kv = (size_t)dm->kv_heads * D;
     for (int t = a; t < b; t++) {
-        const float *row = sh->qkv + (size_t)t * QKV;
+        float *row = sh->qkv + (size_t)t * QKV;
+        for (int h = 0; h < dm->heads; h++) {
+            if (lw->q_norm) rms_norm(row + (size_t)h * D, lw->q_norm, D, dm->eps, row + (size_t)h * D);
+            rotary(row + (size_t)h * D, bt->cos + (size_t)t * D, bt->sin + (size_t)t * D, D);
+        }
         int64_t slot = bt->slot_mapping[t];
         if (slot < 0 && !bt->query_start) continue;
         memcpy(k, row + (size_t)dm->heads * D, kv * sizeof(float));
@@ -157,7 +74,7 @@ static void store_kv(const decoder_dims *dm, const decoder_batch *bt, const laye
 the front of the residual stream and attention, o and the MLP run for them alone, each exactly as in a full pass. */
 static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const shared_buffers *sh,
                   const private_buffers *pv, int tid, int nth, const int32_t *rows, int n_rows) {
-    int T = bt->T, H = dm->hidden, D = dm->head_dim, I = dm->intermediate, QKV = lw->qkv.N, a, b;
+    int T = bt->T, H = dm->hidden, I = dm->intermediate, QKV = lw->qkv.N, a, b;
     for (int t = 0; t < T; t++) rms_norm(pv->h + (size_t)t * H, lw->input_norm, H, dm->eps, pv->x + (size_t)t * H);
     quantize(pv->x, T, H, &pv->in);
     matmul(dm, &lw->qkv, &pv->in, T, sh->qkv, tid, nth);
@@ -170,23 +87,16 @@ static void layer(const decoder_dims *dm, const decoder_batch *bt, const layer_w
         T = n_rows;
     }
 #pragma omp barrier
-    share(T * dm->heads, tid, nth, &a, &b);
-    int key_row = -1, key_head = -1;
-    int64_t n_keys = 0;
-    for (int p = a; p < b; p++) { /* rows of a sequence see each other's keys: all were stored above */
-        int r = p / dm->heads, hq = p % dm->heads, t = rows ? rows[r] : r;
-        memcpy(pv->q, sh->qkv + (size_t)t * QKV + (size_t)hq * D, D * sizeof(float));
-        if (lw->q_norm) rms_norm(pv->q, lw->q_norm, D, dm->eps, pv->q);
-        rotary(pv->q, bt->cos + (size_t)t * D, bt->sin + (size_t)t * D, D);
-        int kvh = hq / (dm->heads / dm->kv_heads);
-        if (t != key_row || kvh != key_head) /* a row's heads sharing a kv head share its key list */
-            n_keys = key_rows(dm, bt, lw, sh, t, kvh, pv->ks, pv->vs), key_row = t, key_head = kvh;
-        attend(dm, pv->q, n_keys, pv->ks, pv->vs, pv->x, pv->scores);
-        size_t blk = (size_t)p * (D / QK); /* row r's heads: a head is whole blocks of 32 (NativeDecoder.runs) */
-        q8_quantize_blocks(pv->x, D / QK, sh->att.q + blk * QK, sh->att.sx + blk, sh->att.xs + blk);
-    }
+    const attn_plan *plan = rows ? &sh->last : &sh->all; /* rows of a sequence see each other's keys: all stored */
+    for (int k = 0; k < plan->n_pass; k++) {
+        if (k > 0) {
 #pragma omp barrier
-    matmul(dm, &lw->o, &sh->att, T, sh->o, tid, nth);
+        }
+        attn_units(dm, bt, lw, sh->qkv, QKV, sh->block_k, sh->block_v, rows, plan, k, &pv->attn, tid, nth);
+#pragma omp barrier
+        attn_combine(dm, plan, k, pv->x, &pv->in);
+    }
+    matmul(dm, &lw->o, &pv->in, T, sh->o, tid, nth);
 #pragma omp barrier
     for (size_t i = 0; i < (size_t)T * H; i++) pv->h[i] += sh->o[i];
     for (int t = 0; t < T; t++) rms_norm(pv->h + (size_t)t * H, lw->post_norm, H, dm->eps, pv->x + (size_t)t * H);
@@ -233,23 +143,24 @@ int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const floa
     size_t T = bt->T, H = dm->hidden, I = dm->intermediate, D = dm->head_dim, AT = dm->heads * D;
     size_t KV = (size_t)dm->kv_heads * D;
     int nth = dm->threads > 0 ? dm->threads : 1;
-    int64_t longest = 1; /* keys of the longest row: a draft row's are its context and its block */
-    for (size_t t = 0; t < T; t++) longest = bt->positions[t] + 1 > longest ? bt->positions[t] + 1 : longest;
     shared_buffers sh = {malloc(sizeof(float) * T * (AT + 2 * KV)), malloc(sizeof(float) * T * H),
                          malloc(sizeof(float) * T * 2 * I), malloc(sizeof(float) * T * H),
-                         malloc(sizeof(float) * T * KV), malloc(sizeof(float) * T * KV), {0}};
-    int ok = sh.qkv && sh.o && sh.gate_up && sh.down && sh.block_k && sh.block_v && alloc_q8(&sh.att, T, AT);
+                         malloc(sizeof(float) * T * KV), malloc(sizeof(float) * T * KV), {0}, {0}};
+    int ok = sh.qkv && sh.o && sh.gate_up && sh.down && sh.block_k && sh.block_v &&
+             attn_plan_build(dm, bt, NULL, bt->T, &sh.all) == 0 &&
+             (!bt->last_rows || attn_plan_build(dm, bt, bt->last_rows, bt->n_last, &sh.last) == 0);
     private_buffers *pv = calloc(nth, sizeof(private_buffers));
     ok = ok && pv;
     for (int i = 0; ok && i < nth; i++) {
         size_t widest = I > H ? I : H;
+        widest = AT > widest ? AT : widest; /* the attention's output is an input of the o projection */
         pv[i].h = malloc(sizeof(float) * T * H);
         pv[i].x = malloc(sizeof(float) * T * (H > D ? H : D));
         pv[i].act = malloc(sizeof(float) * T * I);
-        pv[i].scores = malloc(sizeof(float) * longest);
-        pv[i].ks = malloc(sizeof(float *) * longest), pv[i].vs = malloc(sizeof(float *) * longest);
         pv[i].q = malloc(sizeof(float) * (KV > D ? KV : D));
-        ok = pv[i].h && pv[i].x && pv[i].act && pv[i].scores && pv[i].ks && pv[i].vs && pv[i].q &&
+        pv[i].attn.scores = malloc(sizeof(float) * ATTN_HEADS * ATTN_TILE);
+        pv[i].attn.ks = malloc(sizeof(float *) * 2 * ATTN_TILE), pv[i].attn.vs = malloc(sizeof(float *) * 2 * ATTN_TILE);
+        ok = pv[i].h && pv[i].x && pv[i].act && pv[i].q && pv[i].attn.scores && pv[i].attn.ks && pv[i].attn.vs &&
              alloc_q8(&pv[i].in, T, widest);
         if (ok) memcpy(pv[i].h, h, sizeof(float) * T * H);
     }
@@ -262,10 +173,10 @@ int decoder_forward(const decoder_dims *dm, const layer_weights *lws, const floa
         }
     }
     for (int i = 0; pv && i < nth; i++) {
-        free(pv[i].h), free(pv[i].x), free(pv[i].act), free(pv[i].scores), free(pv[i].q), free_q8(&pv[i].in);
-        free(pv[i].ks), free(pv[i].vs);
+        free(pv[i].h), free(pv[i].x), free(pv[i].act), free(pv[i].q), free_q8(&pv[i].in);
+        free(pv[i].attn.scores), free(pv[i].attn.ks), free(pv[i].attn.vs);
     }
     free(pv), free(sh.qkv), free(sh.o), free(sh.gate_up), free(sh.down), free(sh.block_k), free(sh.block_v);
-    free_q8(&sh.att);
+    attn_plan_free(&sh.all), attn_plan_free(&sh.last);
     return ok ? 0 : -1;
 }

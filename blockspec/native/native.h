@@ -94,6 +94,40 @@ typedef struct {
     float *sx, *xs;
 } q8_rows;
 
+/* attend.c: a layer's attention in tiles of keys (its comment); the plan is built once per forward */
+typedef struct {
+    int seq, q0, nq, tiles, unit0; /* its queries are qidx[q0 .. q0 + nq - 1]; its units unit0 .. + kv_heads * tiles */
+    int64_t keys;                  /* keys its query seeing the most sees */
+    size_t part0;                  /* its first partial in the pass */
+} attn_segment;
+typedef struct {
+    int seg0, n_seg, unit0, n_units;
+} attn_pass;
+typedef struct {
+    int n_pass, n_seg, n_units, group; /* group: query heads per kv head */
+    int *qidx;                         /* [Tq] query rows ordered by sequence */
+    int64_t *nkeys;                    /* [Tq] keys each query row sees */
+    attn_segment *segs;
+    attn_pass *passes;
+    int *unit_seg; /* [n_units] */
+    float *o, *m, *l; /* one pass's partials [parts, D], [parts], [parts] */
+} attn_plan;
+typedef struct {
+    const float **ks, **vs; /* [2, TILE] two tiles' key and value addresses (the one in use, the next) */
+    float *scores;          /* [ATTN_HEADS, TILE] */
+} attn_scratch;
+#define ATTN_TILE 64
+#define ATTN_HEADS 3 /* query heads attend.c takes together */
+
+/* used between the C files only: not exported from the library (lib.py types every export) */
+#define INTERNAL __attribute__((visibility("hidden")))
+INTERNAL int attn_plan_build(const decoder_dims *dm, const decoder_batch *bt, const int32_t *rows, int Tq, attn_plan *p);
+INTERNAL void attn_plan_free(attn_plan *p);
+INTERNAL void attn_units(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const float *qkv, int QKV,
+                const float *block_k, const float *block_v, const int32_t *rows, const attn_plan *p, int k,
+                const attn_scratch *sc, int tid, int nth);
+INTERNAL void attn_combine(const decoder_dims *dm, const attn_plan *p, int k, float *out, const q8_rows *att);
+
 /* 8 floats as one value: GCC lowers its arithmetic to the widest vectors the build targets (SSE pairs at least) */
 typedef float v8f __attribute__((vector_size(32)));
 
