@@ -5,7 +5,7 @@ cpu_step_profile.timed_parts): the target's layer stack (the verify rows), its h
 block pass and its head, and the engine (the rest of the wall time: scheduling, sampling, acceptance, Python). Prints
 ms per step of each part for both and the ratio of the whole steps.
 Usage: python -m benchmarks.spec_step_cost [--threads 2] [--k 3] [--prompts 4] [--max-tokens 96] [--cpu-quant M]
-    [--rounds 5] [--out FILE]"""
+    [--no-full-block] [--draft-len-schedule off] [--rounds 5] [--out FILE]"""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks.cpu_step_profile import timed_parts
+from blockspec.cli.flags import parse_schedule
 from blockspec.config import EngineConfig
 from blockspec.demo import DEMO_PROMPTS
 from blockspec.llm import LLM, load_models
@@ -67,18 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--cpu-quant", default=None, help="the target's CPU path (default: the platform's, auto for the "
                                                       "bundled Q4_1 model)")
+    ap.add_argument("--draft-len-schedule", default="off",
+                    help="the spec engine's (default off: K throughout; 1:0 times a K = 0 step with the drafter)")
+    ap.add_argument("--no-full-block", action="store_true", help="draft K + 1 rows, not the drafter's block size")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved plain / spec rounds (medians are printed)")
     ap.add_argument("--out", help="write the figures as JSON here too")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load = LoadConfig(device="cpu") if args.cpu_quant is None else LoadConfig(device="cpu", cpu_quant=args.cpu_quant)
     models = load_models(None, load, {"draft_model": str(bundled_draft_path()),
-                                                          "num_draft_tokens": args.k})
+                                                          "num_draft_tokens": args.k,
+                                                          **({"full_block_drafting": False} if args.no_full_block
+                                                             else {})})
     tok = models.lm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS[: args.prompts]]
     params = SamplingParams(max_tokens=args.max_tokens)
     plain = LLM.from_loaded(models.lm, None, engine=EngineConfig(max_num_seqs=1))
-    spec = LLM.from_loaded(models.lm, models.draft, engine=EngineConfig(max_num_seqs=1, draft_len_schedule="off"))
+    spec = LLM.from_loaded(models.lm, models.draft, engine=EngineConfig(max_num_seqs=1,
+                                                                                draft_len_schedule=parse_schedule(args.draft_len_schedule)))
     t0 = time.perf_counter()
     rounds: dict[str, list[dict[str, float]]] = {"plain": [], "spec": []}
     for _ in range(args.rounds):  # interleaved: this VM's speed drifts by tens of % between minutes

@@ -122,3 +122,34 @@ def test_an_explicit_k_means_k(monkeypatch, tmp_path):
     assert llm.calibration is None and llm.engine.config.draft_len_schedule is None and llm.engine.K == 3
     assert llm.engine.draft_len.k(1) == 3 and llm.engine.draft_len.k(2) == 3
     assert not list(tmp_path.rglob("*.json"))  # nothing was calibrated
+
+
+@pytest.mark.parametrize("path", ["auto", "varlen"])
+def test_context_kept_at_k0_drafts_as_appending_every_step(path):
+    """On the CPU, rows of steps that propose nothing are kept and appended before the next propose: the drafts
+    (so every step's accepted count, and the K the live policy picks from them) equal those of a drafter that appends
+    every step, with slots reused by later requests (5 prompts, 2 at a time)."""
+    pair = trained_pair()
+    prompts = [cycle_seq(CYCLE_A, 0, 6), cycle_seq(CYCLE_B, 2, 9), cycle_seq(CYCLE_A, 7, 8), cycle_seq(CYCLE_B, 1, 5),
+               cycle_seq(CYCLE_A, 3, 7)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 40, 18)]
+    runs = []
+    for defer in (False, True):
+        draft = load_draft(SpeculativeConfig(draft_model=str(pair.lm.source.path.parent / "draft"),
+                                             num_draft_tokens=4), pair.lm)
+        llm = LLM.from_loaded(pair.lm, draft, engine=EngineConfig(max_num_seqs=2, step_path=path,
+                                                                   draft_len_schedule="off"))
+        proposer = llm.engine.proposer
+        assert proposer.defer_context  # the CPU default
+        proposer.defer_context = defer
+        flushed = []
+        flush = proposer.flush_context
+        proposer.flush_context = lambda models: (flushed.append(proposer._num_deferred), flush(models))[1]
+        live = LiveDraftLen({1: {0: 1.0, 1: 1.6, 2: 1.9, 3: 2.3, 4: 2.6}}, [0.3, 0.2, 0.1, 0.05], max_k=4,
+                            window=4, probe_every=3, probe_budget=1.0)
+        llm.engine.set_draft_len_policy(live, None)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append(([o.token_ids for o in outs], [o.acceptance_lengths for o in outs], dict(live.used)))
+        assert (max(flushed) > 1) == defer  # rows were kept over K = 0 steps only when deferring
+    assert runs[0] == runs[1]
+    assert 0 in runs[0][2] and len(runs[0][2]) >= 2, runs[0][2]  # K = 0 steps and drafting ones both ran

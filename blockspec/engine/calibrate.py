@@ -26,13 +26,17 @@ import torch
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.sequence import SeqStatus
 from blockspec.loading.platform import cpu_model
+from blockspec.native import build as native_build
 from blockspec.sampling import SamplingParams
 from blockspec.speculative.draft_len import DraftLenPolicy, FixedDraftLen, LiveDraftLen
 from blockspec.speculative.schedule import derive_schedule, expected_tokens, fingerprint, schedule_for_batches
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_LENS = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15)
-CONTEXT = 64  # prompt tokens of the calibration requests (at most; less where the pool is small)
+# prompt tokens of the calibration requests (at most; less where the pool is small): about where a chat answer's steps
+# run (a prompt, then ~100 tokens in), since a step's attention grows with the context; at 64 the costs came out
+# optimistic, and low-acceptance answers kept drafting at a loss (docs/results/2026-12-07-cpu-dflash-live-draft-length.md)
+CONTEXT = 160
 MIN_RUN_S = 0.25  # a timed run at least this long (more steps where a step is short): timer noise stays small
 ACCEPTANCE_PROMPTS = (("humaneval", 1), ("gsm8k", 1), ("mtbench", 1))  # code, math, chat
 ACCEPTANCE_TOKENS = 96
@@ -96,7 +100,9 @@ def calibration_key(engine: LLMEngine) -> tuple[str, dict]:
         "device": device_name(param.device), "torch": torch.__version__, "dtype": str(param.dtype),
         "target": target, "cpu_packed": lm.cpu_packed, "cpu_quant": lm.cpu_quant,
         "batch_invariant": lm.batch_invariant, "attention": cfg.attention_backend, "eager": cfg.enforce_eager,
-        "overlap": engine.overlap, "block_size": cfg.block_size,
+        "overlap": engine.overlap, "block_size": cfg.block_size, "context": CONTEXT,
+        # the native kernels' sources: a kernel change changes the costs
+        "native": native_build.source_key() if param.device.type == "cpu" else None,
         "proposer": proposer.identity() if proposer is not None else None,
     }
     text = json.dumps(record, sort_keys=True, default=str)

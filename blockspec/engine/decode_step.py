@@ -247,7 +247,8 @@ class DecodeStep:
         if proposer is None:
             return packed, None
         proposer.append_context(models, CommittedRows(buf.input_ids.flatten(), batch,
-                                                      commit_slots(slots, acc.num_accepted).flatten(), out.taps))
+                                                      commit_slots(slots, acc.num_accepted).flatten(), out.taps,
+                                                      propose_next=next_k > 0))
         if next_k == 0:
             return packed, None
         drafts, q = propose(models, acc.bonus, acc.start, buf.block_tables, next_k, rows)

@@ -62,7 +62,7 @@ def varlen_step(models: StepModels, acceptance: AcceptancePolicy, scheduled: lis
     commit_state(models, recurrent, accepted)
     if models.proposer is not None:
         models.proposer.append_context(models, CommittedRows(token_ids, batch, torch.where(keep, batch.slot_mapping, -1),
-                                                             out.taps))
+                                                             out.taps, propose_next=bool(v.propose)))
     q_next: dict[int, torch.Tensor] = {}
     if v.propose:
         bonus_all, start_all = torch.cat(bonus), torch.cat(start)

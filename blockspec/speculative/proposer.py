@@ -44,6 +44,9 @@ class CommittedRows:
     batch: PagedBatch  # the verify forward's attention metadata (positions [N], query_start, kv_lens, block_tables)
     slots: torch.Tensor  # [N] int64, -1 where the row is not committed
     taps: torch.Tensor | None  # [N, len(tap_layers) * H] the target's tapped residual streams (None: no taps asked)
+    # whether the step proposes after this append (False: every request of it drafts nothing next, K' = 0); a
+    # proposer may then keep the rows and append them before its next propose (DFlash on the CPU)
+    propose_next: bool = True
 
 
 @dataclass
