@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "blockspec", "generate", "--prompt", args.prompt, "--chat", "--json",
                "--max-tokens", str(args.max_tokens), *flags]
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd[1:])} exited {done.returncode}:\n{done.stderr.strip()}")
         one_shot = json.loads(done.stdout.strip().splitlines()[-1])
         llm = LLM(None, speculative={"draft_model": draft} if flags else None, engine=EngineConfig(max_num_seqs=1))
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -4,7 +4,8 @@ the comparisons are tight:
   on the exact SDPA path, a hybrid's recurrent layers over a fresh slot per sequence and one for the padding) ==
   its per-sequence SDPA path, taps and loss;
 - greedy DFlash through the engine on CUDA (Triton draft attention with the drafter's sliding window, captured
-  steps) drafts what the z-lab package drafts (on the CPU, from transformers' hidden states), every step."""
+  steps) drafts what the z-lab package drafts (on the CPU, from transformers' hidden states), every step, but for
+  near-ties of the reference's logits."""
 
 from __future__ import annotations
 
@@ -50,4 +51,16 @@ def test_cuda_engine_drafts_what_the_zlab_package_drafts(tmp_path, family):
     full = [s for s in out.steps if len(s.draft) == 5]
     assert len(full) >= 15
     ref = zlab_steps(zd, hf, seq, [Step(s.position, int(seq[s.position])) for s in full], 6)
-    assert [s.draft for s in full] == [r.argmax(-1).tolist() for r in ref]
+    # CUDA's fp32 kernels round differently from the CPU reference: a draft whose reference top two logits are
+    # within 1e-4 of the largest magnitude may go either way (random weights make near-ties); every other one must
+    # agree, and near-ties must stay rare
+    decided = total = 0
+    for step, logits in zip(full, ref):
+        top = logits.topk(2, dim=-1).values
+        clear = (top[:, 0] - top[:, 1]) > 1e-4 * max(1.0, logits.abs().max().item())
+        total += clear.numel()
+        for ours, want, sure in zip(step.draft, logits.argmax(-1).tolist(), clear.tolist()):
+            if sure:
+                decided += 1
+                assert ours == want, (step.position, step.draft, logits.argmax(-1).tolist())
+    assert decided >= 0.9 * total, (decided, total)

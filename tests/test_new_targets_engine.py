@@ -281,4 +281,4 @@ def test_cuda_engine_runs_eagerly_and_decodes_as_transformers(pair):
         llm = LLM.from_loaded(lm, proposer, engine=EngineConfig(max_num_seqs=4, block_size=16))
         assert_transformers_greedy(pair, prompts, params, Run(llm).run(prompts, params, stagger=2))
         stats = llm.engine.stats()
-        assert llm.engine.config.enforce_eager and not stats.captured_graphs and stats.num_decode_steps > 0
+        assert llm.engine.config.enforce_eager and not stats.cuda_graphs and stats.num_decode_steps > 0

@@ -114,7 +114,11 @@ class _Batch:
 
     def __init__(self, engine: LLMEngine, batch: int, context: int, room: int, seed: int) -> None:
         self.engine, self.batch, self.context, self.room = engine, batch, context, room
-        self.gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        vocab = engine.lm.config.vocab_size
+        # the same prompts every time the batch is made afresh: after the first, their KV comes from the prefix
+        # cache, so the many fresh starts (every K, three runs each) cost little prefill
+        self.prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
         self.ids: list[str] = []
 
     def _left(self) -> int:
@@ -126,10 +130,8 @@ class _Batch:
 
     def _fresh(self) -> None:
         self.release()
-        vocab = self.engine.lm.config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=self.room, ignore_eos=True)
-        for _ in range(self.batch):
-            prompt = torch.randint(0, vocab, (self.context,), generator=self.gen).tolist()
+        for prompt in self.prompts:
             self.ids.append(self.engine.add_request(prompt, params))
         while any(s.in_prefill or s.status is SeqStatus.WAITING for s in map(self.engine.seqs.get, self.ids)):
             self.engine.step()

@@ -36,10 +36,11 @@ _TEXT_PREFIX = "model.language_model."
 _NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
 
-def _scale(value: float, weight: torch.Tensor) -> torch.Tensor:
+def _scale(value: float, weight: torch.Tensor) -> float:
     """An embedding's scale as HF applies it: an fp32 scalar rounded to the embedding's dtype (sqrt(3072) is 55.5 in
-    bf16), then multiplied."""
-    return torch.tensor(value, dtype=torch.float32, device=weight.device).to(weight.dtype)
+    bf16), then multiplied. A Python number (rounded on the host): a device tensor made here would be a host-to-device
+    copy inside the captured CUDA step."""
+    return float(torch.tensor(value, dtype=torch.float32).to(weight.dtype))
 
 
 class GatedMLP(nn.Module):
