@@ -59,8 +59,10 @@ def test_cuda_engine_drafts_what_the_zlab_package_drafts(tmp_path, family):
         top = logits.topk(2, dim=-1).values
         clear = (top[:, 0] - top[:, 1]) > 1e-4 * max(1.0, logits.abs().max().item())
         total += clear.numel()
-        for ours, want, sure in zip(step.draft, logits.argmax(-1).tolist(), clear.tolist()):
+        margin = (top[:, 0] - top[:, 1]).tolist()
+        for ours, want, sure, m in zip(step.draft, logits.argmax(-1).tolist(), clear.tolist(), margin):
             if sure:
                 decided += 1
-                assert ours == want, (step.position, step.draft, logits.argmax(-1).tolist())
+                assert ours == want, (step.position, step.draft, logits.argmax(-1).tolist(), m,
+                                      logits.abs().max().item())
     assert decided >= 0.9 * total, (decided, total)

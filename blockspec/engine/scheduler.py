@@ -166,6 +166,7 @@ class Scheduler:
             return False
         for s, r in zip(seqs, reach):
             self.blocks.grow(s.block_table, r)
+        self.draft_len.chained(K)
         return True
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -46,6 +46,10 @@ class DraftLenPolicy(ABC):
         self.used[k] += 1
         return k
 
+    def chained(self, k: int) -> None:
+        """A step run as the one before it again (the engine's overlap chains decode steps without scheduling)."""
+        self.used[k] += 1
+
     def candidates(self, batch: int) -> list[int]:
         """Every K this policy may schedule at `batch` (what a warm-up captures before a timed run)."""
         return [self.k(batch)]
