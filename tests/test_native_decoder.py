@@ -97,3 +97,60 @@ def test_speculative_output_equals_plain_through_the_native_stack(lm):
     outs = spec.generate(prompts, greedy(40), use_tqdm=False)
     assert [o.token_ids for o in outs] == plain
     assert sum(sum(o.acceptance_lengths) - len(o.acceptance_lengths) for o in outs) > 10
+
+
+@pytest.fixture(scope="module")
+def other_builds(tmp_path_factory):
+    """The kernels built with a partials budget that forces a pass per query row, and the portable build."""
+    from blockspec.native import build, lib
+
+    libs = []
+    for flags in (["-DATTN_PART_BUDGET=1024"], ["-DBLOCKSPEC_PORTABLE"]):
+        built = build.build(flags, tmp_path_factory.mktemp("native"))
+        assert built.library is not None, built.reason
+        libs.append(lib.load(built.library))
+    return libs
+
+
+def test_rows_across_key_tiles_equal_alone_and_under_every_build(lm, other_builds, monkeypatch):
+    """Past one tile of keys (attend.c: 64 a tile, partials combined in tile order): rows 60..70 and 125..131 of a
+    150-token sequence, together beside another sequence and each alone, at 1 and 2 threads, give the same bits; and
+    so do a build whose partials budget forces a pass per row and the portable build (fmaf for the fused adds)."""
+    table = list(range(60))[::-1]  # 240 slots, blocks in reverse: the table is read
+    other = list(range(60, 64))
+    ids = torch.randint(0, SHAPE["vocab_size"], (160,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run() -> list[torch.Tensor]:
+        pool = KVPool(64, BLOCK, CacheShape(lm.config.num_hidden_layers, lm.config.num_key_value_heads,
+                                            lm.config.head_dim), None, torch.float32, torch.device("cpu"))
+        outs = [torch.cat(forward(lm, pool, batch_of([(table, 0, 150), (other, 0, 5)]), ids[:150] + ids[:5]), 1)]
+        for first, n in ((60, 11), (125, 7)):
+            together = torch.cat(forward(lm, pool, batch_of([(other, 5, 2), (table, first, n)]),
+                                         ids[5:7] + ids[first:first + n]), 1)[2:]
+            alone = torch.cat([torch.cat(forward(lm, pool, batch_of([(table, first + i, 1)]), [ids[first + i]]), 1)
+                               for i in range(n)])
+            assert torch.equal(together, alone), (first, n)
+            outs.append(alone)
+        return outs
+
+    threads = torch.get_num_threads()
+    native = lm.model.executor
+    try:
+        lm.model.executor = None  # the torch layers: what every tile's partials must combine to
+        want = run()
+        lm.model.executor = native
+        results = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            results.append(run())
+        for other_lib in other_builds:
+            monkeypatch.setattr(q4, "library", lambda: other_lib)
+            results.append(run())
+            monkeypatch.undo()
+    finally:
+        torch.set_num_threads(threads)
+        lm.model.executor = native
+    for got, ref in zip(results[0], want):  # logits and taps, as test_native_stack_computes_the_torch_layers
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-2 * float(ref.abs().max()))
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], r))

@@ -24,7 +24,10 @@ whole query rows, each pass its units, a barrier, the combine, a barrier (decode
 #endif
 
 #define TILE ATTN_TILE /* keys a unit fetches: k and v of 64 keys of 64 dims (32 KB) stay in L1/L2 */
-#define PART_BUDGET (16u << 20)    /* bytes of partials one pass may hold */
+#ifndef ATTN_PART_BUDGET /* a test builds with a small one: passes must not change a bit */
+#define ATTN_PART_BUDGET (16u << 20) /* bytes of partials one pass may hold */
+#endif
+#define PART_BUDGET ATTN_PART_BUDGET
 
 /* keys the query row t sees: a target row its sequence's keys up to its position (at most kv_len); a draft row the
 kv_len context keys and every row of its block */
@@ -183,21 +186,37 @@ int attn_plan_build(const decoder_dims *dm, const decoder_batch *bt, const int32
     }
     if (seg) closed += (size_t)dm->heads * seg->tiles * seg->nq;
     max_parts = closed > max_parts ? closed : max_parts;
+    /* a short context leaves fewer (kv head, tile) units than threads can share evenly (3 kv heads, 1 tile, 2
+    threads: 2 + 1): then each head of a group is a unit of its own (a head's arithmetic is the same either way) */
+    int whole = 0;
+    for (int g = 0; g < p->n_seg; g++) whole += kvh * p->segs[g].tiles;
+    p->group = group, p->hunit = whole < 2 * (dm->threads > 0 ? dm->threads : 1) ? 1 : group;
+    int hparts = (group + p->hunit - 1) / p->hunit;
     for (int k = 0; k < p->n_pass; k++) {
         attn_pass *ps = p->passes + k;
         ps->unit0 = units;
-        for (int g = ps->seg0; g < ps->seg0 + ps->n_seg; g++) p->segs[g].unit0 = units, units += kvh * p->segs[g].tiles;
+        for (int g = ps->seg0; g < ps->seg0 + ps->n_seg; g++)
+            p->segs[g].unit0 = units, units += kvh * p->segs[g].tiles * hparts;
         ps->n_units = units - ps->unit0;
     }
-    p->n_units = units, p->group = group;
+    p->n_units = units;
     p->unit_seg = malloc(sizeof(int) * (units ? units : 1));
     p->o = malloc(sizeof(float) * (max_parts ? max_parts : 1) * D);
     p->m = malloc(sizeof(float) * (max_parts ? max_parts : 1));
     p->l = malloc(sizeof(float) * (max_parts ? max_parts : 1));
     if (!p->unit_seg || !p->o || !p->m || !p->l) return attn_plan_free(p), -1;
     for (int g = 0; g < p->n_seg; g++)
-        for (int u = 0; u < kvh * p->segs[g].tiles; u++) p->unit_seg[p->segs[g].unit0 + u] = g;
+        for (int u = 0; u < kvh * p->segs[g].tiles * hparts; u++) p->unit_seg[p->segs[g].unit0 + u] = g;
     return 0;
+}
+
+/* unit u -> its kv head, tile and first query head in the group (p->hunit heads from there). A tile's kv heads (and
+head parts) come one after another: they share the slots' lines (the pool is [slot, kv head, dim]). */
+static void unit_at(const decoder_dims *dm, const attn_plan *p, int u, int *kvh, int *tile, int *h0) {
+    const attn_segment *sg = p->segs + p->unit_seg[u];
+    int hparts = (p->group + p->hunit - 1) / p->hunit, rem = u - sg->unit0;
+    *h0 = (rem % hparts) * p->hunit, rem /= hparts;
+    *kvh = rem % dm->kv_heads, *tile = rem / dm->kv_heads;
 }
 
 /* the addresses of keys j0..j0+n-1 of sequence s for kv head kvh (decoder.c's key order: the pool through the block
@@ -229,8 +248,9 @@ static void fetch_tile(const float **ks, const float **vs, int n, int D) {
 static int unit_keys(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const float *block_k,
                      const float *block_v, const attn_plan *p, int u, const float **ks, const float **vs) {
     const attn_segment *sg = p->segs + p->unit_seg[u];
-    int rem = u - sg->unit0, kvh = rem % dm->kv_heads;
-    int64_t j0 = (int64_t)(rem / dm->kv_heads) * TILE;
+    int kvh, tile, h0;
+    unit_at(dm, p, u, &kvh, &tile, &h0);
+    int64_t j0 = (int64_t)tile * TILE;
     int n = (int)(sg->keys - j0 < TILE ? sg->keys - j0 : TILE);
     tile_keys(dm, bt, lw, block_k, block_v, sg->seq, kvh, j0, n, ks, vs);
     return n;
@@ -256,16 +276,17 @@ void attn_units(const decoder_dims *dm, const decoder_batch *bt, const layer_wei
             fetch_tile(ks + (cur ? -TILE : TILE), vs + (cur ? -TILE : TILE), n_next, D);
         }
         const attn_segment *sg = p->segs + p->unit_seg[u];
-        /* a tile's kv heads one after another: they share the slots' lines (the pool is [slot, kv head, dim]) */
-        int rem = u - sg->unit0, kvh = rem % dm->kv_heads, tile = rem / dm->kv_heads;
+        int kvh, tile, h_first;
+        unit_at(dm, p, u, &kvh, &tile, &h_first);
+        int h_end = h_first + p->hunit < group ? h_first + p->hunit : group;
         int64_t j0 = (int64_t)tile * TILE;
         for (int qi = 0; qi < sg->nq; qi++) {
             int r = p->qidx[sg->q0 + qi], t = rows ? rows[r] : r;
             int64_t seen = p->nkeys[r] - j0;
             if (seen <= 0) continue; /* a tile past the row's position: the combine stops before it */
             int n = (int)(seen < n_tile ? seen : n_tile);
-            for (int h0 = 0; h0 < group; h0 += HB) { /* the group's heads, HB at a time */
-                int hb = group - h0 < HB ? group - h0 : HB;
+            for (int h0 = h_first; h0 < h_end; h0 += HB) { /* the unit's heads, HB at a time */
+                int hb = h_end - h0 < HB ? h_end - h0 : HB;
                 size_t part = (size_t)sg->part0 + (((size_t)kvh * sg->tiles + tile) * sg->nq + qi) * group + h0;
                 const float *q = qkv + (size_t)t * QKV + (size_t)(kvh * group + h0) * D;
                 attend_heads(q, hb, n, ks, vs, D, dm->scale, sc->scores, p->m + part, p->l + part, p->o + part * D);

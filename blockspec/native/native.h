@@ -105,6 +105,7 @@ typedef struct {
 } attn_pass;
 typedef struct {
     int n_pass, n_seg, n_units, group; /* group: query heads per kv head */
+    int hunit;                         /* query heads a unit takes: the group, or 1 where units would be too few */
     int *qidx;                         /* [Tq] query rows ordered by sequence */
     int64_t *nkeys;                    /* [Tq] keys each query row sees */
     attn_segment *segs;
