@@ -76,16 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load = LoadConfig(device="cpu") if args.cpu_quant is None else LoadConfig(device="cpu", cpu_quant=args.cpu_quant)
-    models = load_models(None, load, {"draft_model": str(bundled_draft_path()),
-                                                          "num_draft_tokens": args.k,
-                                                          **({"full_block_drafting": False} if args.no_full_block
-                                                             else {})})
+    speculative = {"draft_model": str(bundled_draft_path()), "num_draft_tokens": args.k}
+    if args.no_full_block:
+        speculative["full_block_drafting"] = False
+    models = load_models(None, load, speculative)
     tok = models.lm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS[: args.prompts]]
     params = SamplingParams(max_tokens=args.max_tokens)
     plain = LLM.from_loaded(models.lm, None, engine=EngineConfig(max_num_seqs=1))
-    spec = LLM.from_loaded(models.lm, models.draft, engine=EngineConfig(max_num_seqs=1,
-                                                                                draft_len_schedule=parse_schedule(args.draft_len_schedule)))
+    schedule = parse_schedule(args.draft_len_schedule)
+    spec = LLM.from_loaded(models.lm, models.draft, engine=EngineConfig(max_num_seqs=1, draft_len_schedule=schedule))
     t0 = time.perf_counter()
     rounds: dict[str, list[dict[str, float]]] = {"plain": [], "spec": []}
     for _ in range(args.rounds):  # interleaved: this VM's speed drifts by tens of % between minutes
