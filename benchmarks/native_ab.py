@@ -17,12 +17,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.cpu_native import BLOCK, batch
-from blockspec.config import SpeculativeConfig
-from blockspec.kv.pool import CacheShape, KVPool
-from blockspec.loading.bundled_draft import bundled_draft_path
-from blockspec.loading.draft_loader import load_draft
-from blockspec.loading.loader import LoadConfig, load_model
+from benchmarks.cpu_native import bundled_native, stack_calls
 from blockspec.native import lib, q4
 
 
@@ -49,29 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     libs = {"old": lib.load(args.old), "new": q4.library()}
-    lm = load_model(None, LoadConfig(device="cpu", cpu_quant="auto"))
-    draft = load_draft(SpeculativeConfig(draft_model=str(bundled_draft_path()), num_draft_tokens=3,
-                                         full_block_drafting=True, draft_vocab_size=24576), lm)
-    stack, native_draft = lm.model.executor, draft.model.executor
-    if stack is None or native_draft is None or libs["new"] is None:
+    loaded = bundled_native()
+    if loaded is None or libs["new"] is None:
         print("the native kernels did not build here (or BLOCKSPEC_NATIVE=0): nothing to time")
         return 1
-    cfg, dcfg, H = lm.config, draft.config, lm.config.hidden_size
-    pool = KVPool(128, BLOCK, CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
-                  CacheShape(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim), torch.float32,
-                  torch.device("cpu"))
+    lm, draft, pool = loaded
     for cache in (pool.k, pool.v, *pool.draft_k, *pool.draft_v):
         cache.normal_()  # keys of any magnitude: the attention's work does not depend on them
     for ctx in map(int, args.contexts.split(",")):
-        items: dict[str, Callable[[], object]] = {}
-        for rows in (1, 4, 16):
-            b, x = batch(ctx, rows, ctx + rows, stored=True), torch.randn(rows, H)
-            cos, sin = lm.model.rotary.cos_sin(b.positions, torch.float32)
-            items[f"stack_{rows}"] = lambda b=b, x=x, cos=cos, sin=sin: stack.forward(x, cos, sin, pool, b, [])
-        b, x = batch(ctx, BLOCK, ctx, stored=False), torch.randn(BLOCK, H)
-        cos, sin = draft.model.rotary.cos_sin(b.positions, torch.float32)
-        items["draft_block_16"] = lambda: native_draft.forward(x, cos, sin, pool, b)
-        ms = {name: alternate(fn, libs, args.reps) for name, fn in items.items()}
+        ms = {name: alternate(call, libs, args.reps) for name, call in stack_calls(lm, draft, pool, ctx).items()}
         print(f"context {ctx}, {args.threads} thread(s), ms old -> new: " + ", ".join(
             f"{name} {m['old']:.2f} -> {m['new']:.2f} ({m['new'] / m['old']:.2f}x)" for name, m in ms.items()),
             flush=True)

@@ -21,13 +21,14 @@ from blockspec.loading.platform import resolve_device
 from blockspec.loading.platform_report import summary
 from blockspec.sampling import SamplingParams
 
+# The fixed drafting of the CPU kernel comparisons (tools/cpu_peer_bench.py, benchmarks/cpu_step_profile.py), which
+# load the drafter directly: K = 4 on the fp32 target, 3 under --cpu-quant (torch's quantized kernels worked in
+# blocks of 4 rows: docs/results/2026-12-05-cpu-quant-llama-cpp.md). The demo itself drafts as `generate --draft`.
 CPU_DRAFT_TOKENS = 4
-# under --cpu-quant q4 / q8: torch's quantized kernels work in blocks of 4 rows, so a verify step of 5 rows costs
-# about two of 4 (docs/results/2026-12-05-cpu-quant-llama-cpp.md)
 CPU_QUANT_DRAFT_TOKENS = 3
-# argmax drafts over the first half of SmolLM2's vocabulary on CPU: its BPE ids are roughly frequency-ordered, ids
-# below 24,576 are 98.6 % of the demo's output tokens, and the drafter's head pass (the spec step's largest extra
-# weight read after the target's) halves. Lossless: the target verifies, only drafts of rarer ids are never made
+# the bundled drafter's cpu_draft_vocab_size (what the platform plan fills in): argmax drafts over the first half of
+# SmolLM2's vocabulary, whose BPE ids are roughly frequency-ordered (ids below 24,576 are 98.6 % of the demo's output
+# tokens), so the drafter's head pass halves. Lossless: the target verifies, only drafts of rarer ids are never made
 CPU_DRAFT_VOCAB = 24576
 
 # The three families DFlash is measured on (code, math, chat), written before any was measured, kept whatever they
@@ -47,7 +48,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def _bundled_draft(num_draft_tokens: int | None, on_cpu: bool, fp32_draft: bool) -> SpeculativeConfig | None:
+def _bundled_draft(num_draft_tokens: int | None, fp32_draft: bool) -> SpeculativeConfig | None:
     """The bundled drafter with the demo's settings (the platform plan fills the rest: loading/platform.py), or None
     where it is not there (a note says so; the demo then runs plain decoding only)."""
     from blockspec.loading.bundled_draft import bundled_draft_path
@@ -58,9 +59,9 @@ def _bundled_draft(num_draft_tokens: int | None, on_cpu: bool, fp32_draft: bool)
         print(f"note: {e}\nrunning plain decoding only", file=sys.stderr)
         return None
     # fp32_draft: the drafter in fp32 on CPUs with bf16 units too; else the plan's default (bf16 where it has them)
+    # the draft vocabulary on the CPU: the platform plan's, from the drafter's own cpu_draft_vocab_size
     return SpeculativeConfig(draft_model=str(path), num_draft_tokens=num_draft_tokens,
-                             cpu_bf16_draft=False if fp32_draft else None,
-                             draft_vocab_size=CPU_DRAFT_VOCAB if on_cpu else None)
+                             cpu_bf16_draft=False if fp32_draft else None)
 
 
 def _load_draft(spec: SpeculativeConfig, lm: LoadedModel) -> LoadedDraft:
@@ -100,7 +101,7 @@ def run_demo(model: str | None = None, max_tokens: int = 96, device: str | None 
     # its first drafts are accepted more often than those of a K + 1-row block), in bf16 on weights packed once for
     # oneDNN on a CPU with bf16 units (a cheaper spec step; the fp32 target verifies every draft, so the outputs stay
     # those of plain fp32 decoding): the platform plan's drafting defaults, as LLM's and the commands'
-    spec = _bundled_draft(num_draft_tokens, on_cpu, fp32_draft) if model is None else None
+    spec = _bundled_draft(num_draft_tokens, fp32_draft) if model is None else None
     asked = platform.plan(load, spec)
     lm = load_model(model, load, asked)
     draft = _load_draft(asked.speculative, lm) if asked.speculative is not None else None

@@ -113,7 +113,7 @@ class _Batch:
     """B random requests kept decoding in the engine; made again (untimed) before a run they could not finish."""
 
     def __init__(self, engine: LLMEngine, batch: int, context: int, room: int, seed: int) -> None:
-        self.engine, self.batch, self.context, self.room = engine, batch, context, room
+        self.engine, self.batch, self.room = engine, batch, room
         gen = torch.Generator().manual_seed(seed)
         vocab = engine.lm.config.vocab_size
         # the same prompts every time the batch is made afresh: after the first, their KV comes from the prefix
