@@ -34,6 +34,22 @@ CONFIGS = {
 PROMPTS = [(37, 30), (9, 1), (20, 12)]  # (length, prefilled part): windows of 3 and 5 are much shorter
 
 
+def honour_swiglu_fields(model) -> None:
+    """Set the experts' clamped-SwiGLU alpha and limit to what the config says. transformers 5.17 (the GPU machines'
+    image) ignores config.swiglu_alpha / swiglu_limit and always computes 1.702 / 7.0, while the config.json it
+    writes holds our values; our loader (models/gpt_oss.py) reads them, as transformers 5.25 does. Without this the
+    reference is another model than the directory it saves: under 5.17 its taps differed from ours by up to 1.5,
+    test_hf_directory_matches_transformers failed and the z-lab drafter drafted otherwise at step 14 of
+    tests/test_drafters_new_targets_gpu.py. The defaults are the loader's, for configs that leave the fields out."""
+    alpha = getattr(model.config, "swiglu_alpha", 1.702)
+    limit = getattr(model.config, "swiglu_limit", 7.0)
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
+    assert experts and all(hasattr(m, "alpha") and hasattr(m, "limit") for m in experts), \
+        "transformers' GptOssExperts changed: check how it reads swiglu_alpha / swiglu_limit"
+    for m in experts:
+        m.alpha, m.limit = alpha, limit
+
+
 def make_hf(seed: int, **overrides):
     """A tiny GptOssForCausalLM in fp32 with weights scaled so that everything shows: sinks of order one (HF's init
     leaves them near zero), a router with clear margins, experts that move the logits, perturbed norms and biases."""
@@ -44,6 +60,7 @@ def make_hf(seed: int, **overrides):
                max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)  # YaRN's 32 x 4096
     torch.manual_seed(seed)
     model = tf.GptOssForCausalLM(tf.GptOssConfig(**{**cfg, **overrides})).float().eval()
+    honour_swiglu_fields(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
