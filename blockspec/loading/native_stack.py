@@ -48,6 +48,12 @@ def _weight(w: q4.Q4Weights | q4.Q8Weights, bias: torch.Tensor | None) -> Weight
     return Weight(_ptr(w.packed), _ptr(w.d), _ptr(m), _ptr(bias), w.N, w.K, 4 if m is not None else 8)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous array of dtype: itself where it is one already (the usual case: a conversion that changes
+    nothing still costs a torch call, and a step makes ~30 of them)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _layer_addresses(caches: Sequence[torch.Tensor], n: int) -> tuple[int, ...]:
     """The address of caches[i], i < n: from the base and stride of one stacked [layers, ...] tensor, else each
     tensor's own."""
@@ -77,6 +83,14 @@ class NativeStack:
     def __init__(self) -> None:
         self.keep: list[object] = []  # what the C structs point into, besides the model's own tensors
         self._bound: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the caches `layers` point at
+        self._tap_ids: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _taps(self, tap_layers: Sequence[int]) -> torch.Tensor:
+        """The tap layers as the int32 array decoder.c reads (made once per set)."""
+        key = tuple(tap_layers)
+        if key not in self._tap_ids:
+            self._tap_ids[key] = torch.tensor(key, dtype=torch.int32)
+        return self._tap_ids[key]
 
     def _f32(self, w: torch.Tensor) -> int:
         """An fp32 contiguous copy of w, kept alive here; its address."""
@@ -113,16 +127,15 @@ class NativeStack:
         T, H = x.shape
         if last_rows is not None and tap_layers:
             raise ValueError("last_rows leaves rows out of the last layer, whose output a tap would read")
-        h = x.float().clone().contiguous()
+        h = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         taps = torch.empty(T, len(tap_layers) * H) if tap_layers else None
         self.bind(*caches)
-        counts = batch.query_start[1:] - batch.query_start[:-1]
-        row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts.long())
-        keep = [cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous(),
-                batch.positions.to(torch.int64).contiguous(), batch.slot_mapping.to(torch.int64).contiguous(),
-                row_seq, batch.kv_lens.to(torch.int32).contiguous(), batch.block_tables.to(torch.int64).contiguous(),
-                torch.tensor(list(tap_layers), dtype=torch.int32), batch.query_start.to(torch.int32).contiguous(),
-                None if last_rows is None else last_rows.to(torch.int32).contiguous()]
+        query_start = _as(batch.query_start, torch.int32)
+        row_seq = torch.repeat_interleave(query_start.diff()).int()  # each row's sequence
+        keep = [_as(cos.reshape(T, -1), torch.float32), _as(sin.reshape(T, -1), torch.float32),
+                _as(batch.positions, torch.int64), _as(batch.slot_mapping, torch.int64), row_seq,
+                _as(batch.kv_lens, torch.int32), _as(batch.block_tables, torch.int64), self._taps(tap_layers),
+                query_start, None if last_rows is None else _as(last_rows, torch.int32)]
         b = Batch(T, *(_ptr(t) for t in keep[:7]), keep[6].shape[1], pool.block_size, _ptr(keep[7]),
                   len(tap_layers), _ptr(keep[8]) if draft_block else None, _ptr(keep[9]),
                   0 if last_rows is None else len(last_rows))
@@ -199,8 +212,8 @@ class NativeDraft(NativeStack):
         into pool_k[layer] / pool_v[layer] [slots, Hkv, D] (fp32) at `slots` [T] (-1: skipped)."""
         T = taps.shape[0]
         self.bind(pool_k, pool_v)
-        keep = [taps.float().contiguous(), cos.reshape(T, -1).float().contiguous(),
-                sin.reshape(T, -1).float().contiguous(), slots.to(torch.int64).contiguous()]
+        keep = [_as(taps, torch.float32), _as(cos.reshape(T, -1), torch.float32),
+                _as(sin.reshape(T, -1), torch.float32), _as(slots, torch.int64)]
         cb = ContextBatch(T, keep[0].shape[1] // self.dims.hidden, *(_ptr(t) for t in keep[1:]))
         self.dims.threads = torch.get_num_threads()
         if q4.library().draft_context(ctypes.byref(self.dims), self.layers, ctypes.byref(self.fc.view),
@@ -216,11 +229,11 @@ class NativeDraft(NativeStack):
     def write_context(self, taps: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       paged: Callable[[int], PagedDest]) -> bool:
         """DraftStackExecutor: the context append where the draft caches are fp32 on the CPU."""
-        first = paged(0)[0]
+        dests = [paged(layer) for layer in range(len(self.layers))]
+        first = dests[0][0]
         if first.device.type != "cpu" or first.dtype != torch.float32:
             return False
         cos, sin = rotary.cos_sin(positions, torch.float32)
-        dests = [paged(layer) for layer in range(len(self.layers))]
         self.context(taps, cos, sin, [k for k, _, _ in dests], [v for _, v, _ in dests], dests[0][2])
         return True
 
