@@ -256,48 +256,15 @@ static int unit_keys(const decoder_dims *dm, const decoder_batch *bt, const laye
     return n;
 }
 
-/* unit u's work: the keys of its tile each of its queries sees (a tile past a query's position costs it nothing) */
-static int64_t unit_cost(const decoder_dims *dm, const attn_plan *p, int u) {
-    const attn_segment *sg = p->segs + p->unit_seg[u];
-    int kvh, tile, h0;
-    unit_at(dm, p, u, &kvh, &tile, &h0);
-    int64_t j0 = (int64_t)tile * TILE, cost = 1;
-    for (int qi = 0; qi < sg->nq; qi++) {
-        int64_t seen = p->nkeys[p->qidx[sg->q0 + qi]] - j0;
-        cost += seen <= 0 ? 0 : (seen < TILE ? seen : TILE);
-    }
-    return cost;
-}
-
-/* this thread's units of pass k, [*a, *b): contiguous (the next unit's keys are requested while one runs), cut where
-the work splits evenly. Few units of unequal tiles split by count leave a thread waiting (4 tiles of a 204-key
-context: 64, 64 | 64, 12 keys); many units split by count are even enough. */
-static void share_units(const decoder_dims *dm, const attn_plan *p, int k, int tid, int nth, int *a, int *b) {
-    const attn_pass *ps = p->passes + k;
-    if (ps->n_units >= 16 * nth) {
-        share(ps->n_units, tid, nth, a, b);
-    } else {
-        int64_t total = 0, before = 0;
-        for (int u = 0; u < ps->n_units; u++) total += unit_cost(dm, p, ps->unit0 + u);
-        *a = *b = ps->n_units;
-        for (int u = 0; u < ps->n_units; u++) {
-            int64_t c = unit_cost(dm, p, ps->unit0 + u);
-            int owner = (int)(((2 * before + c) * nth) / (2 * total)); /* the thread whose share holds its middle */
-            if (owner >= tid && *a == ps->n_units) *a = u;
-            if (owner > tid) { *b = u; break; }
-            before += c;
-        }
-    }
-    *a += ps->unit0, *b += ps->unit0;
-}
-
 /* this thread's units of pass k: each query's partial over the unit's tile. The next unit's keys are requested
 while this one's are used: between layers the weights streaming through push the pool out of the caches. */
 void attn_units(const decoder_dims *dm, const decoder_batch *bt, const layer_weights *lw, const float *qkv, int QKV,
                 const float *block_k, const float *block_v, const int32_t *rows, const attn_plan *p, int k,
                 const attn_scratch *sc, int tid, int nth) {
+    const attn_pass *ps = p->passes + k;
     int a, b, D = dm->head_dim, group = p->group, cur = 0;
-    share_units(dm, p, k, tid, nth, &a, &b);
+    share(ps->n_units, tid, nth, &a, &b);
+    a += ps->unit0, b += ps->unit0;
     int n_tile = a < b ? unit_keys(dm, bt, lw, block_k, block_v, p, a, sc->ks, sc->vs) : 0;
     if (a < b) fetch_tile(sc->ks, sc->vs, n_tile, D);
     for (int u = a; u < b; u++, cur ^= 1) {
