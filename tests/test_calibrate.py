@@ -126,11 +126,12 @@ def test_only_draft_lengths_that_can_win_are_measured(monkeypatch):
         def release(self):
             pass
 
-    def cost(runner, K):
+    def cost(runner, K, steps):
         measured.append((runner.batch, K))
         return 1.0 + 0.02 * runner.batch * (K + 1) + (0.8 if K else 0.0) * (1 + runner.batch / 8)
 
     monkeypatch.setattr(calibrate, "_Batch", FakeBatch)
+    monkeypatch.setattr(calibrate, "_warm", lambda runner, K: 4)
     monkeypatch.setattr(calibrate, "_step_seconds", cost)
 
     class Engine:
@@ -156,6 +157,40 @@ def test_only_draft_lengths_that_can_win_are_measured(monkeypatch):
         assert len([k for k in by_k if k > best]) <= 2
     first_zero = min(b for b in schedule if schedule[b] == 0)
     assert all(b <= first_zero for b, _ in measured)
+
+
+def test_each_k_keeps_its_fastest_run_of_rounds_taken_in_turn(monkeypatch):
+    """A pause of the machine while the first Ks ran (3x slower) must not stay in their costs: every K is timed
+    again in turn and keeps its fastest run."""
+    calls = []
+
+    class FakeBatch:
+        def __init__(self, engine, batch, context, room, seed):
+            self.batch = batch
+
+        def release(self):
+            pass
+
+    def cost(runner, K, steps):
+        calls.append(K)
+        return (1.0 + 0.1 * K) * (3.0 if len(calls) <= 3 else 1.0)
+
+    monkeypatch.setattr(calibrate, "_Batch", FakeBatch)
+    monkeypatch.setattr(calibrate, "_warm", lambda runner, K: 4)
+    monkeypatch.setattr(calibrate, "_step_seconds", cost)
+
+    class Engine:
+        K = 3
+        pool = type("P", (), {"num_blocks": 4096, "block_size": 16})()
+
+        def set_draft_len_schedule(self, s):
+            pass
+
+        config = type("C", (), {"draft_len_schedule": None})()
+
+    costs = calibrate.measure_costs(Engine(), [0.9, 0.8, 0.7], [1])
+    assert calls == [0, 1, 2, 3] * calibrate.ROUNDS
+    assert costs == {1: {K: pytest.approx(1.0 + 0.1 * K) for K in range(4)}}
 
 
 def test_bad_schedule_value_names_the_field():

@@ -9,8 +9,8 @@ size that emits the most tokens per second, K = 0 where no draft pays (speculati
 result is cached per device, models and options (BLOCKSPEC_CACHE_DIR, default ~/.cache/blockspec): measured once.
 
 Costs are measured on random prompts under the engine's own acceptance: a decode step's work is fixed by (B, K),
-whatever is accepted. Each point is the fastest of three runs of n decode steps (prefill, and the first steps of a
-new K, which may capture a CUDA graph, stay out)."""
+whatever is accepted. Each point is the fastest of three runs of n decode steps, taken in turn over the Ks (prefill,
+and the first steps of a new K, which may capture a CUDA graph, stay out)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ DRAFT_LENS = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15)
 # optimistic, and low-acceptance answers kept drafting at a loss (docs/results/2026-12-07-cpu-dflash-live-draft-length.md)
 CONTEXT = 160
 MIN_RUN_S = 0.25  # a timed run at least this long (more steps where a step is short): timer noise stays small
+ROUNDS = 3  # timed runs of each K, taken in turn over the Ks (measure_costs)
 ACCEPTANCE_PROMPTS = (("humaneval", 1), ("gsm8k", 1), ("mtbench", 1))  # code, math, chat
 ACCEPTANCE_TOKENS = 96
 
@@ -100,7 +101,7 @@ def calibration_key(engine: LLMEngine) -> tuple[str, dict]:
         "device": device_name(param.device), "torch": torch.__version__, "dtype": str(param.dtype),
         "target": target, "cpu_packed": lm.cpu_packed, "cpu_quant": lm.cpu_quant,
         "batch_invariant": lm.batch_invariant, "attention": cfg.attention_backend, "eager": cfg.enforce_eager,
-        "overlap": engine.overlap, "block_size": cfg.block_size, "context": CONTEXT,
+        "overlap": engine.overlap, "block_size": cfg.block_size, "context": CONTEXT, "rounds": f"{ROUNDS} in turn",
         # the native kernels' sources: a kernel change changes the costs
         "native": native_build.source_key() if param.device.type == "cpu" else None,
         "proposer": proposer.identity() if proposer is not None else None,
@@ -157,21 +158,23 @@ class _Batch:
         self.ids = []
 
 
-def _step_seconds(batch: _Batch, K: int) -> float:
-    """Seconds per decode step of B requests with K drafts each: the fastest of three runs (a pause of the machine
-    in one run must not decide the schedule), each on requests made afresh at the calibration's context. A step's
-    attention grows with the context (on the CPU a K = 3 step went from 13 to 18 ms between 270 and 835 tokens):
-    requests carried over from K to K would measure every K at a longer context than the one before it."""
+def _warm(batch: _Batch, K: int) -> int:
+    """A first step of this K (graph capture) and two more; -> the steps one timed run of K takes (>= MIN_RUN_S)."""
     batch.engine.set_draft_len_schedule({1: K})
     batch._fresh()
-    batch.run(3, K)  # a first step of this K (graph capture), two more
-    n = max(2, min(24, int(MIN_RUN_S / max(batch.run(2, K) / 2, 1e-5)), batch.room // (K + 1) - 1))
-    best = float("inf")
-    for _ in range(3):
-        batch._fresh()
-        batch.run(1, K)  # the step after the prefill verifies the drafts of a block proposed at its end
-        best = min(best, batch.run(n, K))
-    return best / n
+    batch.run(3, K)
+    return max(2, min(24, int(MIN_RUN_S / max(batch.run(2, K) / 2, 1e-5)), batch.room // (K + 1) - 1))
+
+
+def _step_seconds(batch: _Batch, K: int, steps: int) -> float:
+    """Seconds per decode step of B requests with K drafts each, over one run of `steps`, on requests made afresh at
+    the calibration's context. A step's attention grows with the context (on the CPU a K = 3 step went from 13 to 18
+    ms between 270 and 835 tokens): requests carried over from K to K would measure every K at a longer context than
+    the one before it."""
+    batch.engine.set_draft_len_schedule({1: K})
+    batch._fresh()
+    batch.run(1, K)  # the step after the prefill verifies the drafts of a block proposed at its end
+    return batch.run(steps, K) / steps
 
 
 def measure_costs(engine: LLMEngine, per_position: list[float], batches: list[int]) -> dict[int, dict[int, float]]:
@@ -192,9 +195,11 @@ def measure_costs(engine: LLMEngine, per_position: list[float], batches: list[in
                 break
             runner = _Batch(engine, batch, context, room, seed=batch)
             by_k: dict[int, float] = {}
+            steps: dict[int, int] = {}
             best, worse = None, 0  # the best K >= 1 so far (K = 0 has no draft pass to pay: compared at the end)
             for K in [k for k in DRAFT_LENS if k <= cap]:
-                by_k[K] = _step_seconds(runner, K)
+                steps[K] = _warm(runner, K)
+                by_k[K] = _step_seconds(runner, K, steps[K])
                 rate = {k: expected_tokens(per_position, k) / s for k, s in by_k.items()}
                 if K == 0:
                     continue
@@ -202,6 +207,13 @@ def measure_costs(engine: LLMEngine, per_position: list[float], batches: list[in
                     best, worse = K, 0
                 elif (worse := worse + 1) >= 2:
                     break
+            # every K again, in turn, ROUNDS times in all; each keeps its fastest run: a pause of the machine must not
+            # decide the schedule, and a slow minute of a shared machine falls on every K of a round, not on a few
+            # (measured K by K, three runs each, a calibration cached at a noisy moment put K = 1 and K = 3 steps at
+            # 1.70x and 2.07x a plain one, 1.48x and 1.61x in one made at a quiet moment of the same night)
+            for _ in range(ROUNDS - 1):
+                for K in by_k:
+                    by_k[K] = min(by_k[K], _step_seconds(runner, K, steps[K]))
             runner.release()
             costs[batch] = by_k
             cap = derive_schedule({batch: by_k}, per_position)[batch]
