@@ -112,12 +112,9 @@ def test_the_drafters_table_for_this_device_wins(draft_dir, tmp_path, cache):
     assert not cache.exists()  # nothing measured
 
 
-def test_only_draft_lengths_that_can_win_are_measured(monkeypatch):
-    """Synthetic costs: a draft pass of 1 unit paid whatever K, 0.02 per verify row per request. Larger batches
-    try no K above the best of the smaller one, a batch stops two draft lengths past its best, and once K = 0 wins
-    nothing larger is measured."""
-    per_position = [0.9, 0.8, 0.7, 0.5, 0.3, 0.2, 0.1]
-    measured = []
+def fake_engine(monkeypatch, cost, max_k: int):
+    """An engine of drafter K = max_k for measure_costs whose decode runs are not run: a timed run of (batch, K) costs
+    cost(runner, K, steps) seconds a step (runner.batch: its batch size)."""
 
     class FakeBatch:
         def __init__(self, engine, batch, context, room, seed):
@@ -126,24 +123,32 @@ def test_only_draft_lengths_that_can_win_are_measured(monkeypatch):
         def release(self):
             pass
 
-    def cost(runner, K, steps):
-        measured.append((runner.batch, K))
-        return 1.0 + 0.02 * runner.batch * (K + 1) + (0.8 if K else 0.0) * (1 + runner.batch / 8)
-
-    monkeypatch.setattr(calibrate, "_Batch", FakeBatch)
-    monkeypatch.setattr(calibrate, "_warm", lambda runner, K: 4)
-    monkeypatch.setattr(calibrate, "_step_seconds", cost)
-
     class Engine:
-        K = 7
+        K = max_k
         pool = type("P", (), {"num_blocks": 4096, "block_size": 16})()
+        config = type("C", (), {"draft_len_schedule": None})()
 
         def set_draft_len_schedule(self, s):
             pass
 
-        config = type("C", (), {"draft_len_schedule": None})()
+    monkeypatch.setattr(calibrate, "_Batch", FakeBatch)
+    monkeypatch.setattr(calibrate, "_warm", lambda runner, K: 4)
+    monkeypatch.setattr(calibrate, "_step_seconds", cost)
+    return Engine()
 
-    costs = calibrate.measure_costs(Engine(), per_position, [1, 2, 4, 8, 16, 32, 64])
+
+def test_only_draft_lengths_that_can_win_are_measured(monkeypatch):
+    """Synthetic costs: a draft pass of 1 unit paid whatever K, 0.02 per verify row per request. Larger batches
+    try no K above the best of the smaller one, a batch stops two draft lengths past its best, and once K = 0 wins
+    nothing larger is measured."""
+    per_position = [0.9, 0.8, 0.7, 0.5, 0.3, 0.2, 0.1]
+    measured = []
+
+    def cost(runner, K, steps):
+        measured.append((runner.batch, K))
+        return 1.0 + 0.02 * runner.batch * (K + 1) + (0.8 if K else 0.0) * (1 + runner.batch / 8)
+
+    costs = calibrate.measure_costs(fake_engine(monkeypatch, cost, 7), per_position, [1, 2, 4, 8, 16, 32, 64])
     schedule = schedule_for_batches({b: {k: s * 1e3 for k, s in by.items()} for b, by in costs.items()},
                                     per_position, [1, 2, 4, 8, 16, 32, 64])
     ks = [schedule[b] for b in sorted(schedule)]
@@ -164,31 +169,11 @@ def test_each_k_keeps_its_fastest_run_of_rounds_taken_in_turn(monkeypatch):
     again in turn and keeps its fastest run."""
     calls = []
 
-    class FakeBatch:
-        def __init__(self, engine, batch, context, room, seed):
-            self.batch = batch
-
-        def release(self):
-            pass
-
     def cost(runner, K, steps):
         calls.append(K)
         return (1.0 + 0.1 * K) * (3.0 if len(calls) <= 3 else 1.0)
 
-    monkeypatch.setattr(calibrate, "_Batch", FakeBatch)
-    monkeypatch.setattr(calibrate, "_warm", lambda runner, K: 4)
-    monkeypatch.setattr(calibrate, "_step_seconds", cost)
-
-    class Engine:
-        K = 3
-        pool = type("P", (), {"num_blocks": 4096, "block_size": 16})()
-
-        def set_draft_len_schedule(self, s):
-            pass
-
-        config = type("C", (), {"draft_len_schedule": None})()
-
-    costs = calibrate.measure_costs(Engine(), [0.9, 0.8, 0.7], [1])
+    costs = calibrate.measure_costs(fake_engine(monkeypatch, cost, 3), [0.9, 0.8, 0.7], [1])
     assert calls == [0, 1, 2, 3] * calibrate.ROUNDS
     assert costs == {1: {K: pytest.approx(1.0 + 0.1 * K) for K in range(4)}}
 
